@@ -1,0 +1,1 @@
+"""Scoring math for eviction policies: vectorised torch, device-agnostic, with float64 references in tests."""

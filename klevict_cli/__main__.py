@@ -1,0 +1,3 @@
+from klevict_cli.cli import main
+
+main()

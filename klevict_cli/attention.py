@@ -1,0 +1,86 @@
+"""klevict's attention function: attends over ragged caches and records the probe rows' statistics.
+
+transformers builds its causal mask from one layer's cache length, which is wrong once layers and heads keep
+different entries. So klevict registers its own function with `AttentionInterface`: the mask comes from each
+entry's `valid` flag and rotary position (causal = key position <= query position; sliding window likewise), and
+for the last `probe_rows` queries it records what eviction policies need — post-RoPE queries, attention weights
+over the whole cache and the per-head outputs before the output projection — without materialising the full
+attention map of the chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from klevict_cli.cache import KVCache
+
+ATTENTION_NAME = "klevict"
+
+
+@dataclass
+class LayerProbe:
+    """One layer's statistics at the probe positions (the last W tokens of a forward)."""
+
+    query: torch.Tensor  # (Hq, W, Dk) post-RoPE
+    weights: torch.Tensor  # (Hq, W, C) float32 attention over the layer's cache (padding has weight 0)
+    output: torch.Tensor  # (Hq, W, Dv) head outputs before the output projection
+
+
+@dataclass
+class ForwardContext:
+    cache: KVCache
+    query_positions: torch.Tensor  # (T,) rotary positions of the tokens in this forward
+    probe_rows: int = 0
+    probes: dict[int, LayerProbe] = field(default_factory=dict)
+    residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
+
+
+_current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+def attention_mask(cache_layer, query_positions: torch.Tensor) -> torch.Tensor:
+    """(H_kv, T, C) bool: which cached entries each query may attend to."""
+    kpos = cache_layer.rope_positions[:, None, :]
+    qpos = query_positions[None, :, None]
+    allowed = cache_layer.valid[:, None, :] & (kpos <= qpos)
+    if cache_layer.window is not None:
+        allowed &= kpos > qpos - cache_layer.window
+    return allowed
+
+
+def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("klevict attention called outside a klevict forward")
+    layer_idx = module.layer_idx
+    layer = ctx.cache.layers[layer_idx]
+    groups = query.shape[1] // key.shape[1]
+    allowed = attention_mask(layer, ctx.query_positions).repeat_interleave(groups, dim=0)[None]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (1, Hq, T, Dv)
+    if ctx.probe_rows:
+        w = min(ctx.probe_rows, query.shape[2])
+        q = query[0, :, -w:]
+        logits = torch.matmul(q.float(), k[0].float().transpose(1, 2)) * scaling
+        logits = logits.masked_fill(~allowed[0, :, -w:], float("-inf"))
+        ctx.probes[layer_idx] = LayerProbe(query=q, weights=logits.softmax(dim=-1), output=out[0, :, -w:])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, klevict_attention)

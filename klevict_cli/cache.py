@@ -1,0 +1,141 @@
+"""The ragged KV cache: only what is kept, per layer and per KV head.
+
+Each layer holds `(kv_heads, capacity, dim)` keys and values, the original position of every entry, the position its
+key is currently rotated at (they differ only in `compact` mode) and a `valid` mask. Heads and layers may keep
+different counts; after every eviction a layer is re-packed to its largest head, so padding never outgrows one
+chunk. transformers' attention modules call `update()` exactly as they would on a `DynamicCache`; klevict's attention
+function (attention.py) reads `valid` and the positions to build the mask itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from klevict_cli.adapters import LayerShape
+
+
+@dataclass
+class LayerCache:
+    keys: torch.Tensor  # (H, C, Dk), post-RoPE
+    values: torch.Tensor  # (H, C, Dv)
+    positions: torch.Tensor  # (H, C) int64 original stream positions; -1 for padding
+    rope_positions: torch.Tensor  # (H, C) int64 positions the keys are rotated at
+    valid: torch.Tensor  # (H, C) bool
+    window: int | None = None  # sliding-window layers keep their window and are never scored
+
+    @classmethod
+    def empty(cls, shape: LayerShape, device, dtype) -> LayerCache:
+        h = shape.kv_heads
+        return cls(
+            keys=torch.zeros(h, 0, shape.key_dim, device=device, dtype=dtype),
+            values=torch.zeros(h, 0, shape.value_dim, device=device, dtype=dtype),
+            positions=torch.zeros(h, 0, dtype=torch.long, device=device),
+            rope_positions=torch.zeros(h, 0, dtype=torch.long, device=device),
+            valid=torch.zeros(h, 0, dtype=torch.bool, device=device),
+            window=shape.window,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def lengths(self) -> torch.Tensor:
+        return self.valid.sum(dim=1)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor):
+        """Append T new entries (same positions for every head) after the current capacity."""
+        h, t = keys.shape[0], keys.shape[1]
+        self.keys = torch.cat((self.keys, keys.to(self.keys.dtype)), dim=1)
+        self.values = torch.cat((self.values, values.to(self.values.dtype)), dim=1)
+        self.positions = torch.cat((self.positions, positions.expand(h, t)), dim=1)
+        self.rope_positions = torch.cat((self.rope_positions, rope_positions.expand(h, t)), dim=1)
+        self.valid = torch.cat((self.valid, torch.ones(h, t, dtype=torch.bool, device=self.valid.device)), dim=1)
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep only the entries where `mask` (H, C) is true, re-packed to the left in their original order."""
+        mask = mask & self.valid
+        counts = mask.sum(dim=1)
+        new_cap = int(counts.max()) if counts.numel() else 0
+        # Stable sort puts kept entries first, in order; the first new_cap columns are the new layout.
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :new_cap]
+        self.keys = self.keys.gather(1, order[..., None].expand(-1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(1, order[..., None].expand(-1, -1, self.values.shape[-1]))
+        self.positions = self.positions.gather(1, order)
+        self.rope_positions = self.rope_positions.gather(1, order)
+        self.valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
+        self.positions = self.positions.masked_fill(~self.valid, -1)
+        self.rope_positions = self.rope_positions.masked_fill(~self.valid, -1)
+        self.keys = self.keys.masked_fill(~self.valid[..., None], 0)
+        self.values = self.values.masked_fill(~self.valid[..., None], 0)
+
+    def truncate(self, capacity: int) -> None:
+        """Drop everything appended after `capacity` columns (used to answer many questions from one cache)."""
+        for name in ("keys", "values", "positions", "rope_positions", "valid"):
+            setattr(self, name, getattr(self, name)[:, :capacity])
+
+    def clone(self) -> LayerCache:
+        return LayerCache(
+            self.keys.clone(), self.values.clone(), self.positions.clone(), self.rope_positions.clone(),
+            self.valid.clone(), self.window,
+        )
+
+    def nbytes(self) -> int:
+        """Bytes of the kept keys and values (padding excluded)."""
+        n = int(self.valid.sum())
+        return n * (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+
+
+class KVCache:
+    """A transformers-compatible cache over `LayerCache`s.
+
+    The engine announces each forward's token positions with `begin()`; attention modules then call `update()`.
+    """
+
+    is_compileable = False
+
+    def __init__(self, layers: list[LayerCache]):
+        self.layers = layers
+        self._positions: torch.Tensor | None = None
+        self._rope_positions: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, shapes: list[LayerShape], device, dtype) -> KVCache:
+        return cls([LayerCache.empty(s, device, dtype) for s in shapes])
+
+    def begin(self, positions: torch.Tensor, rope_positions: torch.Tensor) -> None:
+        self._positions = positions
+        self._rope_positions = rope_positions
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        layer.append(key_states[0], value_states[0], self._positions[None], self._rope_positions[None])
+        return layer.keys[None], layer.values[None]
+
+    # transformers asks these of any cache; positions are always passed explicitly, so they are informational.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.layers[layer_idx].lengths().max()) if self.layers[layer_idx].capacity else 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.window is not None for layer in self.layers]
+
+    def clone(self) -> KVCache:
+        return KVCache([layer.clone() for layer in self.layers])
+
+    def capacities(self) -> list[int]:
+        return [layer.capacity for layer in self.layers]
+
+    def truncate(self, capacities: list[int]) -> None:
+        for layer, cap in zip(self.layers, capacities):
+            layer.truncate(cap)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def kept_counts(self) -> list[list[int]]:
+        return [layer.lengths().tolist() for layer in self.layers]

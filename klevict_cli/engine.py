@@ -1,0 +1,246 @@
+"""The chunked engine: stream tokens through the model with a bounded cache, evict between chunks, decode.
+
+Positions are explicit. In `original` mode every kept entry keeps the position it was read at and new tokens continue
+at the document's true next position. In `compact` mode (documents longer than the model's context) kept keys are
+re-rotated after every eviction so that they sit at consecutive positions ending just before the next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from klevict_cli import attention
+from klevict_cli.adapters import ModelAdapter
+from klevict_cli.attention import ForwardContext, forward_context
+from klevict_cli.cache import KVCache
+from klevict_cli.errors import ResourceError
+from klevict_cli.policies import EvictionStep, Policy, select_keep
+
+POSITION_MODES = ("auto", "original", "compact")
+
+
+@dataclass
+class Stream:
+    """A cache plus where the stream stands: what was read, and the next token's true and rotary positions."""
+
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)
+    next_rope: int = 0
+
+    @property
+    def next_position(self) -> int:
+        return len(self.tokens)
+
+    def clone(self) -> Stream:
+        return Stream(self.cache.clone(), list(self.tokens), self.next_rope)
+
+
+@dataclass
+class Plan:
+    """How a document of `n_tokens` will be read: the resolved position mode and per-head budget."""
+
+    mode: str
+    budget: int | None  # kept entries per KV head; None keeps everything
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_positions(
+    n_tokens: int, budget: int | None, chunk_size: int, reserve: int, max_positions: int, mode: str = "auto"
+) -> Plan:
+    """Choose the position mode and cap the budget so that cache + chunk (while reading) and cache + question +
+    answer (afterwards) fit the model's positions. `reserve` is the room kept for the question and answer."""
+    notes: list[str] = []
+    fits = n_tokens + reserve <= max_positions
+    if mode == "auto":
+        mode = "original" if fits else "compact"
+    if mode == "original" and not fits:
+        raise ResourceError(
+            f"{n_tokens} tokens + {reserve} for the question and answer exceed the model's {max_positions} positions;"
+            " use --position-mode compact (or auto)"
+        )
+    if mode == "compact":
+        if budget is None:
+            raise ResourceError(
+                f"the document ({n_tokens} tokens) is longer than the model's {max_positions} positions;"
+                " the full cache cannot hold it — pass a --budget"
+            )
+        room = max_positions - max(chunk_size, reserve)
+        if room < 1:
+            raise ResourceError(
+                f"--chunk-size {chunk_size} / reserve {reserve} leave no room in the model's {max_positions} positions"
+            )
+        if budget > room:
+            notes.append(
+                f"budget capped from {budget} to {room} tokens to fit the model's {max_positions} positions"
+                f" with the next chunk / question and answer"
+            )
+            budget = room
+    if budget is not None and budget >= n_tokens:
+        budget = None if mode == "original" else budget
+    return Plan(mode, budget, notes)
+
+
+class Engine:
+    """Reads tokens into a `Stream`, evicting with `policy` whenever a layer exceeds `budget` entries per head."""
+
+    def __init__(
+        self,
+        model,
+        adapter: ModelAdapter,
+        policy: Policy,
+        budget: int | None,
+        chunk_size: int = 512,
+        probe_window: int = 32,
+        mode: str = "original",
+        seed: int = 0,
+    ):
+        self.model = model
+        self.adapter = adapter
+        self.policy = policy
+        self.budget = budget if policy.evicts else None
+        self.chunk_size = chunk_size
+        self.probe_window = probe_window
+        self.mode = mode
+        self.generator = torch.Generator().manual_seed(seed)
+        self.shapes = adapter.layer_shapes()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if model.config._attn_implementation != attention.ATTENTION_NAME:
+            model.set_attn_implementation(attention.ATTENTION_NAME)
+        self._ctx: ForwardContext | None = None
+        adapter.final_norm.register_forward_pre_hook(self._capture_residual)
+
+    def _capture_residual(self, module, args):
+        ctx = self._ctx
+        if ctx is not None and ctx.probe_rows:
+            ctx.residuals = args[0][0, -ctx.probe_rows :].detach()
+
+    def new_stream(self) -> Stream:
+        return Stream(KVCache.empty(self.shapes, self.device, self.dtype))
+
+    # ---- one forward ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, stream: Stream, ids: list[int], probe_rows: int = 0) -> tuple[torch.Tensor, ForwardContext]:
+        """Run `ids` at the stream's next positions; returns logits of the last max(1, probe_rows) tokens."""
+        t = len(ids)
+        positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
+        rope = torch.arange(stream.next_rope, stream.next_rope + t, device=self.device)
+        stream.cache.begin(positions, rope)
+        ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows)
+        self._ctx = ctx
+        try:
+            with forward_context(ctx):
+                out = self.model(
+                    input_ids=torch.tensor([ids], device=self.device),
+                    position_ids=rope[None],
+                    cache=stream.cache,
+                    use_cache=True,
+                    logits_to_keep=max(1, probe_rows),
+                )
+        finally:
+            self._ctx = None
+        stream.tokens.extend(ids)
+        stream.next_rope += t
+        return out.logits[0].float(), ctx
+
+    # ---- reading with eviction -----------------------------------------------------------------------------
+    def feed(
+        self, stream: Stream, ids: list[int], evict: bool = True, progress: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Read `ids` chunk by chunk, evicting after each chunk while over budget. Returns the last token's logits."""
+        logits = None
+        for start in range(0, len(ids), self.chunk_size):
+            chunk = ids[start : start + self.chunk_size]
+            must_evict = evict and self._over_budget(stream, len(chunk))
+            recent = self.recent_window(len(chunk))
+            rows = recent if must_evict and self.policy.needs_probes else 0
+            logits, ctx = self.forward(stream, chunk, probe_rows=rows)
+            if must_evict:
+                self.evict(stream, ctx, logits, recent)
+            if progress is not None:
+                progress(len(chunk))
+        if logits is None:
+            raise ValueError("nothing to read")
+        return logits[-1]
+
+    def recent_window(self, chunk_len: int) -> int:
+        """The last tokens read: they are the probes and are always kept (at most half the budget)."""
+        limit = self.budget // 2 if self.budget is not None else chunk_len
+        return max(1, min(self.probe_window, chunk_len, limit))
+
+    def _over_budget(self, stream: Stream, incoming: int) -> bool:
+        if self.budget is None:
+            return False
+        lengths = [layer.lengths().max() if layer.capacity else 0 for layer in stream.cache.layers]
+        return max(int(n) for n in lengths) + incoming > self.budget or any(
+            layer.window is not None for layer in stream.cache.layers
+        )
+
+    @torch.inference_mode()
+    def evict(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int) -> None:
+        """Bring every layer back within budget: sliding layers to their window, the others by policy score;
+        the `recent` last tokens are always kept."""
+        w = min(recent, stream.next_position)
+        step = EvictionStep(
+            cache=stream.cache,
+            adapter=self.adapter,
+            probes=ctx.probes,
+            probe_positions=torch.arange(stream.next_position - w, stream.next_position, device=self.device),
+            residuals=ctx.residuals,
+            logits=logits if ctx.probe_rows else None,
+            generator=self.generator,
+        )
+        for idx, layer in enumerate(stream.cache.layers):
+            if layer.window is not None:
+                layer.keep(layer.rope_positions > stream.next_rope - layer.window)
+            elif self.budget is not None and layer.capacity and int(layer.lengths().max()) > self.budget:
+                protect = layer.positions >= stream.next_position - w
+                layer.keep(select_keep(layer, self.policy.score(step, idx), self.budget, protect))
+        if self.mode == "compact":
+            self.compact(stream)
+
+    def compact(self, stream: Stream) -> None:
+        """Re-rotate every head's kept keys to consecutive positions ending just before the next token."""
+        lengths = [layer.lengths() for layer in stream.cache.layers]
+        target = max(int(n.max()) for n in lengths if n.numel())
+        for idx, layer in enumerate(stream.cache.layers):
+            rank = layer.valid.long().cumsum(dim=1) - 1
+            new_rope = (target - lengths[idx][:, None] + rank).masked_fill(~layer.valid, -1)
+            delta = (new_rope - layer.rope_positions).masked_fill(~layer.valid, 0)
+            layer.keys = self.adapter.rerotate(layer.keys, delta, idx)
+            layer.rope_positions = new_rope
+        stream.next_rope = target
+
+    # ---- decoding ------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        stream: Stream,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+    ) -> Iterator[int]:
+        """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0."""
+        logits = self.feed(stream, prompt_ids, evict=False)
+        for _ in range(max_new_tokens):
+            token = sample(logits, temperature, top_p, self.generator)
+            if token in stop_ids:
+                return
+            yield token
+            logits = self.forward(stream, [token])[0][-1]
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = (logits.float().cpu() / temperature).softmax(dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        outside = sorted_p.cumsum(dim=-1) - sorted_p > top_p
+        sorted_p[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))

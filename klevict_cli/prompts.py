@@ -1,0 +1,68 @@
+"""How a document and a question become tokens.
+
+The document must sit inside the model's chat format (user turn) but be read — and compressed — before any
+question is known. So the chat template is rendered once around a placeholder and split: `prefix` (system prompt and
+the start of the user turn) is read first, then the document, and `suffix(question)` (the question, the end of the
+user turn and the assistant header) is appended at question time. Models without a chat template get a plain
+"Question: … Answer:" frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_SUMMARY_PROMPT = "Summarize the text above in a few sentences."
+_PLACEHOLDER = "\u2063KLEVICT_DOCUMENT\u2063"
+
+
+@dataclass(frozen=True)
+class PromptFrame:
+    prefix: str
+    separator: str  # between the document and the question, inside the user turn
+    closing: str  # after the question: end of turn + assistant header
+    bos: list[int]
+
+    def prefix_ids(self, tokenizer) -> list[int]:
+        return self.bos + _encode(tokenizer, self.prefix)
+
+    def suffix_ids(self, tokenizer, question: str) -> list[int]:
+        return _encode(tokenizer, self.separator + question.strip() + self.closing)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def frame_for(tokenizer) -> PromptFrame:
+    bos = _bos(tokenizer)
+    if getattr(tokenizer, "chat_template", None):
+        question = "\u2063QUESTION\u2063"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _PLACEHOLDER + "\n\n" + question}], tokenize=False, add_generation_prompt=True
+        )
+        prefix, rest = rendered.split(_PLACEHOLDER, 1)
+        separator, closing = rest.split(question, 1)
+        if tokenizer.bos_token and prefix.startswith(tokenizer.bos_token):
+            prefix, bos = prefix[len(tokenizer.bos_token) :], [tokenizer.bos_token_id]
+        return PromptFrame(prefix, separator, closing, bos)
+    return PromptFrame("", "\n\nQuestion: ", "\nAnswer:", bos)
+
+
+def _bos(tokenizer) -> list[int]:
+    """Keep the BOS token the tokenizer would add on its own (Llama-style models expect it)."""
+    ids = tokenizer("a")["input_ids"]
+    if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
+        return [tokenizer.bos_token_id]
+    return []
+
+
+def stop_ids(tokenizer) -> set[int]:
+    """End-of-sequence and end-of-turn tokens."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return ids
