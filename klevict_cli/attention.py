@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from klevict_cli.cache import KVCache
 
@@ -65,8 +66,8 @@ def attention_mask(cache_layer, query_positions: torch.Tensor) -> torch.Tensor:
 
 def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
     ctx = _current.get()
-    if ctx is None:
-        raise RuntimeError("klevict attention called outside a klevict forward")
+    if ctx is None:  # a plain forward of the same model (e.g. a reference in a test): behave like sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask_unused, scaling=scaling, **kwargs)
     layer_idx = module.layer_idx
     layer = ctx.cache.layers[layer_idx]
     groups = query.shape[1] // key.shape[1]

@@ -1,0 +1,501 @@
+"""The `.kvc` file: a compressed KV cache stored as safetensors, checked byte by byte before use.
+
+A cache only makes sense with the model and tokenizer that built it, and a corrupt one would quietly give wrong
+answers instead of an error. So loading checks the layout, a checksum over metadata and tensors, the contents and
+the model identity before it hands out a single tensor. The header is parsed here, not trusted to a library, so
+that every failure becomes a one-line `CacheFileError` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import safetensors.torch
+import torch
+
+from klevict_cli.errors import CacheFileError
+
+FORMAT = "klevict-kvc"
+FORMAT_VERSION = "1"
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+LAYER_FIELDS = ("keys", "values", "positions", "rope_positions", "lengths")
+
+# The only dtypes a .kvc file may hold, by their safetensors names.
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_FLOATS = ("F32", "F16", "BF16")
+
+
+@dataclass
+class PackedLayer:
+    """One layer's kept entries, packed head after head (no padding)."""
+
+    keys: torch.Tensor  # (N, key_dim)   N = lengths.sum()
+    values: torch.Tensor  # (N, value_dim)
+    positions: torch.Tensor  # (N,) int32, original token positions in the stream (index into `tokens`)
+    rope_positions: torch.Tensor  # (N,) int32, position the key is currently rotated at
+    lengths: torch.Tensor  # (heads,) int32, entries per KV head
+
+
+@dataclass
+class LayerSpec:
+    """What the loading model expects of a layer."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclass
+class KvcFile:
+    layers: list[PackedLayer]
+    tokens: torch.Tensor  # (T,) int32 token ids of everything streamed
+    metadata: dict[str, str]
+
+
+@dataclass
+class _Entry:
+    """A tensor as the header describes it; offsets are relative to the start of the data region."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int = 0
+    end: int = 0
+
+
+# --- packing --------------------------------------------------------------------------------------------------
+
+
+def packed_from_padded(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rope_positions: torch.Tensor,
+    valid: torch.Tensor,
+) -> PackedLayer:
+    """Drop the padding of the engine's (heads, capacity, ...) cache; a row-major mask keeps each head's order."""
+    valid = valid.to(torch.bool)
+    return PackedLayer(
+        keys=keys[valid],
+        values=values[valid],
+        positions=positions[valid].to(torch.int32),
+        rope_positions=rope_positions[valid].to(torch.int32),
+        lengths=valid.sum(dim=1).to(torch.int32),
+    )
+
+
+def padded_from_packed(
+    layer: PackedLayer, capacity: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rebuild the engine's padded layout: entries packed left, zeros and position -1 where `valid` is False."""
+    device = layer.keys.device
+    lengths = layer.lengths.to(device=device, dtype=torch.int64)
+    heads = lengths.numel()
+    longest = int(lengths.max()) if heads else 0
+    capacity = longest if capacity is None else capacity
+    if capacity < longest:
+        raise ValueError(f"a head holds {longest} entries, more than the capacity {capacity}")
+    valid = torch.arange(capacity, device=device)[None, :] < lengths[:, None]
+    keys = layer.keys.new_zeros(heads, capacity, layer.keys.shape[1])
+    values = layer.values.new_zeros(heads, capacity, layer.values.shape[1])
+    positions = torch.full((heads, capacity), -1, dtype=torch.int32, device=device)
+    rope_positions = torch.full((heads, capacity), -1, dtype=torch.int32, device=device)
+    keys[valid] = layer.keys
+    values[valid] = layer.values
+    positions[valid] = layer.positions.to(torch.int32)
+    rope_positions[valid] = layer.rope_positions.to(torch.int32)
+    return keys, values, positions, rope_positions, valid
+
+
+# --- saving ---------------------------------------------------------------------------------------------------
+
+
+def save_kvc(path: Path, kvc: KvcFile) -> int:
+    """Write `kvc` atomically and return its size; refuses to write a file that `load_kvc` would reject."""
+    path = Path(path)
+    tensors = _tensors_of(kvc)
+    metadata = dict(kvc.metadata)
+    metadata.pop("payload_sha256", None)
+    metadata.update(format=FORMAT, format_version=FORMAT_VERSION, num_layers=str(len(kvc.layers)))
+    if kvc.layers:
+        metadata.setdefault("cache_dtype", _dtype_name(kvc.layers[0].keys.dtype))
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise _error(path, "cannot save: metadata must map strings to strings")
+
+    layout = {name: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+    num_layers = _check_layout(path, metadata, layout)
+    _check_contents(path, _layers_of(tensors, num_layers), tensors["tokens"])
+    metadata["payload_sha256"] = _payload_sha256(metadata, tensors)
+    blob = safetensors.torch.save(tensors, metadata=metadata)
+    _write_atomically(path, blob)
+    return len(blob)
+
+
+def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors by file name; shared storage is copied because safetensors refuses aliases."""
+    named = {"tokens": kvc.tokens}
+    for i, layer in enumerate(kvc.layers):
+        named.update({f"layers.{i}.{field}": getattr(layer, field) for field in LAYER_FIELDS})
+    tensors, seen = {}, set()
+    for name, tensor in named.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and storage in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor
+    return tensors
+
+
+def _write_atomically(path: Path, blob: bytes) -> None:
+    """Readers see the old file or the new one, never half of one; an interrupted write leaves no debris."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    except OSError as exc:
+        raise _error(path, f"cannot write the cache ({exc.strerror or exc})") from exc
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the rename itself durable; best effort, as not every file system can sync a directory."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- loading --------------------------------------------------------------------------------------------------
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The header's metadata plus `file_size`, reading only the header: enough for `inspect`, checksum unchecked."""
+    path = Path(path)
+    with _open_regular(path) as (f, size):
+        length = _header_length(path, f.read(8), size)
+        metadata, _ = _parse_header(path, f.read(length), size - 8 - length)
+    _check_format(path, metadata)
+    return {**metadata, "file_size": str(size)}
+
+
+def load_kvc(
+    path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None
+) -> KvcFile:
+    """Load a cache only if every check passes: layout, checksum, contents, then model identity and shapes."""
+    path = Path(path)
+    with _open_regular(path) as (f, _):
+        data = f.read()
+    length = _header_length(path, data[:8], len(data))
+    metadata, entries = _parse_header(path, data[8 : 8 + length], len(data) - 8 - length)
+    _check_format(path, metadata)
+    num_layers = _check_layout(path, metadata, entries)
+
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # the checks above should leave nothing for safetensors to object to
+        raise _error(path, f"cannot decode the tensors ({_show(exc)})") from None
+    del data
+    if _payload_sha256(metadata, tensors) != metadata.get("payload_sha256"):
+        raise _error(path, "checksum mismatch: the file is corrupt or was edited")
+
+    layers = _layers_of(tensors, num_layers)
+    _check_contents(path, layers, tensors["tokens"])
+    _check_expected(path, metadata, expect or {})
+    _check_specs(path, layers, specs)
+    return KvcFile(layers=layers, tokens=tensors["tokens"], metadata=metadata)
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
+    """Open a regular file for reading (never a FIFO that would block), turning OS errors into one line."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise _error(path, "not a regular file")
+        with open(path, "rb") as f:
+            yield f, os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise _error(path, "no such file") from None
+    except OSError as exc:
+        raise _error(path, f"cannot read the file ({exc.strerror or exc})") from None
+
+
+def _header_length(path: Path, prefix: bytes, size: int) -> int:
+    """The little-endian u64 in front of the JSON header, bounded before anything is allocated for it."""
+    if size < 8 or len(prefix) < 8:
+        raise _error(path, f"file is truncated or not a .kvc file (only {size} bytes)")
+    length = int.from_bytes(prefix[:8], "little")
+    if length > MAX_HEADER_BYTES:
+        raise _error(path, f"not a .kvc file: header too large ({length} bytes)")
+    if length > size - 8:
+        raise _error(path, f"file is truncated: the header needs {length} bytes but only {size - 8} follow")
+    return length
+
+
+def _parse_header(path: Path, raw: bytes, data_size: int) -> tuple[dict[str, str], dict[str, _Entry]]:
+    """Parse the JSON header and check that its tensors exactly tile the `data_size` bytes after it."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _error(path, f"not a .kvc file: the header is not valid JSON ({_show(exc)})") from None
+    if not isinstance(header, dict):
+        raise _error(path, "not a .kvc file: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        raise _error(path, "not a klevict cache file (no metadata)")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _error(path, "header metadata must map strings to strings")
+    entries = {name: _parse_entry(path, name, spec) for name, spec in header.items()}
+
+    end = 0
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != end:
+            raise _error(path, f"tensor {_show(name)} overlaps another or leaves a gap in the data")
+        end = entry.end
+    if end > data_size:
+        raise _error(path, f"file is truncated: the data needs {end} bytes but only {data_size} are present")
+    if end < data_size:
+        raise _error(path, f"{data_size - end} bytes of trailing garbage after the data")
+    return metadata, entries
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A repeated key would mean one thing to us and maybe another to safetensors."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _parse_entry(path: Path, name: str, spec: object) -> _Entry:
+    """One tensor's dtype, shape and offsets, with its byte length matching its shape."""
+    bad = _error(path, f"tensor {_show(name)} has a malformed header entry")
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise bad
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise bad
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):
+        raise bad
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise _error(path, f"tensor {_show(name)} has unsupported dtype {_show(dtype)}")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+        raise _error(path, f"tensor {_show(name)} has {end - begin} bytes, which does not match its shape")
+    return _Entry(dtype, tuple(shape), begin, end)
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_format(path: Path, metadata: dict[str, str]) -> None:
+    if metadata.get("format") != FORMAT:
+        raise _error(path, "not a klevict cache file")
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        shown = "(missing)" if version is None else _show(version)
+        raise _error(path, f"unsupported .kvc format version {shown} (this klevict reads {FORMAT_VERSION})")
+
+
+def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry]) -> int:
+    """Names, dtypes and shapes must describe `num_layers` consistent packed layers; returns that count."""
+    raw = metadata.get("num_layers", "")
+    if not (raw.isascii() and raw.isdigit()):
+        raise _error(path, f"metadata num_layers is not a count ({_show(raw)})")
+    num_layers = int(raw)
+    needed = len(LAYER_FIELDS) * num_layers + 1
+    if len(layout) != needed:
+        raise _error(path, f"holds {len(layout)} tensors but {num_layers} layers need {needed}")
+    names = ["tokens"] + [f"layers.{i}.{field}" for i in range(num_layers) for field in LAYER_FIELDS]
+    missing = [name for name in names if name not in layout]
+    if missing:
+        raise _error(path, f"missing tensor {missing[0]}")
+
+    def require(name: str, dtypes: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+        entry = layout[name]
+        if entry.dtype not in dtypes:
+            wanted = " or ".join(_dtype_name(_DTYPES[d]) for d in dtypes)
+            raise _error(path, f"tensor {name} has dtype {_dtype_name(entry.dtype)}; expected {wanted}")
+        if len(entry.shape) != ndim:
+            raise _error(path, f"tensor {name} has shape {list(entry.shape)}; expected {ndim} dimensions")
+        return entry.shape
+
+    require("tokens", ("I32",), 1)
+    cache_dtype = None
+    for i in range(num_layers):
+        names = {field: f"layers.{i}.{field}" for field in LAYER_FIELDS}
+        counts = {
+            require(names["keys"], _FLOATS, 2)[0],
+            require(names["values"], _FLOATS, 2)[0],
+            require(names["positions"], ("I32",), 1)[0],
+            require(names["rope_positions"], ("I32",), 1)[0],
+        }
+        require(names["lengths"], ("I32",), 1)
+        if len(counts) != 1:
+            raise _error(path, f"layer {i}: keys, values and positions disagree on the number of entries")
+        cache_dtype = cache_dtype or layout[names["keys"]].dtype
+        for name in (names["keys"], names["values"]):
+            if layout[name].dtype != cache_dtype:
+                found, wanted = _dtype_name(layout[name].dtype), _dtype_name(cache_dtype)
+                raise _error(path, f"tensor {name} has dtype {found} but the cache holds {wanted}")
+    declared = metadata.get("cache_dtype")
+    if cache_dtype and declared is not None and declared.removeprefix("torch.") != _dtype_name(cache_dtype):
+        found = _dtype_name(cache_dtype)
+        raise _error(path, f"metadata cache_dtype {_show(declared)} disagrees with the {found} tensors")
+    return num_layers
+
+
+def _layers_of(tensors: dict[str, torch.Tensor], num_layers: int) -> list[PackedLayer]:
+    return [
+        PackedLayer(**{field: tensors[f"layers.{i}.{field}"] for field in LAYER_FIELDS}) for i in range(num_layers)
+    ]
+
+
+def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor) -> None:
+    """Values the layout cannot vouch for: counts, and positions that index the streamed tokens in order."""
+    if tokens.numel() and int(tokens.min()) < 0:
+        raise _error(path, "a token id is negative")
+    for i, layer in enumerate(layers):
+        lengths = layer.lengths.to(torch.int64)
+        entries = layer.positions.numel()
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise _error(path, f"layer {i}: a head has a negative entry count")
+        if int(lengths.sum()) != entries:
+            total = int(lengths.sum())
+            raise _error(path, f"layer {i}: head lengths sum to {total} but the layer holds {entries} entries")
+        if entries == 0:
+            continue
+        if int(layer.positions.min()) < 0 or int(layer.positions.max()) >= tokens.numel():
+            raise _error(path, f"layer {i}: positions out of range for the {tokens.numel()} streamed tokens")
+        if int(layer.rope_positions.min()) < 0:
+            raise _error(path, f"layer {i}: a rope position is negative")
+        if not _increasing_within_heads(layer.positions, lengths):
+            raise _error(path, f"layer {i}: positions are not strictly increasing within a head")
+
+
+def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Each head's segment must rise; the step from one head's last entry to the next head's first may fall."""
+    if positions.numel() < 2:
+        return True
+    rising = positions[1:] > positions[:-1]
+    starts = torch.cumsum(lengths, 0)[:-1]
+    starts = starts[(starts > 0) & (starts < positions.numel())]
+    rising[starts - 1] = True
+    return bool(rising.all())
+
+
+def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]) -> None:
+    """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed."""
+    wrong = {key for key, value in expect.items() if metadata.get(key) != value}
+    if wrong & {"model_id", "model_config_sha256"}:
+        made = _show(metadata.get("model_id", "an unknown model"))
+        made_config = _show(metadata.get("model_config_sha256", "unknown"))[:12]
+        using = _show(expect.get("model_id", "another model"))
+        using_config = expect.get("model_config_sha256")
+        using += f" (config {_show(using_config)[:12]})" if using_config else ""
+        raise _error(
+            path,
+            f"this cache was made by model {made} (config {made_config}); you are using {using}"
+            f" — recompress with this model or pass --model {made}",
+        )
+    if "tokenizer_sha256" in wrong:
+        made = _show(metadata.get("tokenizer_sha256", "unknown"))[:12]
+        raise _error(
+            path,
+            f"this cache was made with a different tokenizer ({made}, yours is"
+            f" {_show(expect['tokenizer_sha256'])[:12]}) — recompress it with the model you are using",
+        )
+    for key in sorted(wrong):
+        found = metadata.get(key)
+        shown = "missing" if found is None else repr(_show(found))
+        raise _error(path, f"metadata {_show(key)} is {shown} but {_show(expect[key])!r} was expected")
+
+
+def _check_specs(path: Path, layers: list[PackedLayer], specs: list[LayerSpec] | None) -> None:
+    """The cache must fit the loading model layer by layer: heads and key/value widths."""
+    if specs is None:
+        return
+    if len(layers) != len(specs):
+        raise _error(
+            path, f"made for a model with a different shape ({len(layers)} layers; this model has {len(specs)})"
+        )
+    for i, (layer, spec) in enumerate(zip(layers, specs)):
+        found = (layer.lengths.numel(), layer.keys.shape[1], layer.values.shape[1])
+        wanted = (spec.heads, spec.key_dim, spec.value_dim)
+        if found != wanted:
+            raise _error(
+                path,
+                f"made for a model with a different shape (layer {i}: {found[0]} KV heads, key/value dims"
+                f" {found[1]}/{found[2]}; this model has {wanted[0]} heads, {wanted[1]}/{wanted[2]})",
+            )
+
+
+# --- shared ---------------------------------------------------------------------------------------------------
+
+
+def _payload_sha256(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """Covers every byte that matters, so an edited budget or a flipped bit is caught rather than used."""
+    digest = hashlib.sha256()
+    rest = {key: value for key, value in metadata.items() if key != "payload_sha256"}
+    digest.update(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        framing = [name, _safetensors_name(tensor.dtype), list(tensor.shape), raw.numel()]
+        digest.update(json.dumps(framing).encode() + b"\n")
+        digest.update(raw.numpy())
+    return digest.hexdigest()
+
+
+def _safetensors_name(dtype: torch.dtype) -> str:
+    return _SAFETENSORS_NAMES.get(dtype, _dtype_name(dtype))
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    """'bfloat16' for torch.bfloat16 or 'BF16'; the spelling metadata `cache_dtype` and messages use."""
+    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """Text from the file, shortened so a hostile header cannot flood the one-line message."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _error(path: Path, message: str) -> CacheFileError:
+    """Every failure names the file and fits on one line, even if the file name or header holds a newline."""
+    text = f"{path}: {message}"
+    return CacheFileError("".join(c if c.isprintable() else repr(c)[1:-1] for c in text))

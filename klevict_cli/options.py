@@ -1,0 +1,220 @@
+"""Option parsing shared by the commands: budgets, the YAML config file, and checks on option values.
+
+Every bad value is a ``UsageError`` whose one-line message names the option and says what would be accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from klevict_cli.errors import UsageError
+
+BUDGET_FORMS = (
+    "a percentage (5%, 12.5%), a fraction in (0, 1] (0.05), "
+    "or a token count (2048, 2k = 2048, 1.5k = 1536, 1m = 1048576)"
+)
+# Binary multiples, as in "a 4k context" = 4096 tokens.
+_TOKEN_SUFFIXES = {"": 1, "k": 1024, "m": 1024 * 1024}
+# Digits only: float() would also take "nan", "inf", "1e3" and "1_000".
+_BUDGET_RE = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>%|[km]?)", re.IGNORECASE)
+
+OPTION_TYPES: dict[str, type] = {
+    "model": str,
+    "budget": str,
+    "method": str,
+    "chunk_size": int,
+    "device": str,
+    "dtype": str,
+    "cache_dtype": str,
+    "seed": int,
+    "max_new_tokens": int,
+    "prompt": str,
+    "temperature": float,
+    "top_p": float,
+    "position_mode": str,
+    "probe_window": int,
+    "json": bool,
+    "quiet": bool,
+    "output": str,
+}
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "position_mode": ("auto", "original", "compact"),
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of the KV cache to keep: a fraction of the document's tokens, or a fixed token count."""
+
+    fraction: float | None = None
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fraction is None) == (self.tokens is None):
+            raise ValueError("Budget needs exactly one of fraction and tokens")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ValueError(f"Budget fraction must be in (0, 1], got {self.fraction}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"Budget tokens must be at least 1, got {self.tokens}")
+
+    def resolve(self, n_tokens: int) -> int:
+        """The number of tokens to keep for a document of ``n_tokens`` tokens (never 0)."""
+        if self.tokens is not None:
+            return self.tokens
+        # Round first so that 5% of 100 is 5, not ceil(5.000000000000001) = 6.
+        return max(1, math.ceil(round(self.fraction * n_tokens, 6)))
+
+    def __str__(self) -> str:
+        if self.tokens is not None:
+            return str(self.tokens)
+        percent = f"{self.fraction * 100:.9f}".rstrip("0").rstrip(".")
+        return f"{percent}%"
+
+
+def parse_budget(text: str) -> Budget:
+    """Parse a budget: "5%", "12.5%", "0.05", "2048", "2k", "1.5k", "1m" (spaces and case ignored).
+
+    A bare number with a decimal point must be a fraction in (0, 1]; a bare integer is a token count, so "1" means
+    one token and "1.0" means everything. Token counts with a suffix are rounded to a whole token.
+    """
+    match = _BUDGET_RE.fullmatch(text.strip())
+    if match is None:
+        raise _bad_budget(text)
+    number, unit = float(match["number"]), match["unit"].lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise _bad_budget(text, "a percentage must be in (0, 100]")
+        return Budget(fraction=number / 100)
+    if unit == "" and "." in match["number"]:
+        if not 0 < number <= 1:
+            raise _bad_budget(text, "a number with a decimal point is a fraction and must be in (0, 1]")
+        return Budget(fraction=number)
+    tokens = round(number * _TOKEN_SUFFIXES[unit])
+    if tokens < 1:
+        raise _bad_budget(text, "a token count must be at least 1")
+    return Budget(tokens=tokens)
+
+
+def _bad_budget(text: str, why: str = "") -> UsageError:
+    reason = f" ({why})" if why else ""
+    return UsageError(f"invalid --budget '{text}'{reason}; use {BUDGET_FORMS}")
+
+
+def load_config(path: Path | None) -> dict:
+    """Read option defaults from a YAML file such as ``klevict.yaml``; no path means no config ({}).
+
+    Keys are option names, with dashes or underscores; the result uses underscores. Values must be scalars of
+    the option's type: an int is fine for a float option, and a number for a string option (``budget: 2048``),
+    but a bool is never taken for a number or a string (YAML reads ``yes``/``no``/``on``/``off`` as bools).
+    """
+    if path is None:
+        return {}
+    where = f"config file {path}"
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{where}: is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: is not UTF-8 text") from None
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(source)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{where}: malformed YAML{_yaml_position(exc)}") from None
+    if data is None:  # an empty file, or only comments
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: the top level must be a mapping of option names to values")
+    config: dict = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in OPTION_TYPES:
+            valid = ", ".join(sorted(k.replace("_", "-") for k in OPTION_TYPES))
+            raise UsageError(f"{where}: unknown key '{key}'; valid keys: {valid}")
+        if name in config:
+            raise UsageError(f"{where}: key '{key}' is given twice (dashes and underscores are the same)")
+        config[name] = _check_config_value(where, key, name, value)
+    return config
+
+
+def _check_config_value(where: str, key: object, name: str, value: object) -> object:
+    expected = OPTION_TYPES[name]
+    wrong = UsageError(f"{where}: key '{key}' must be {_TYPE_NAMES[expected]}, got {_describe(value)}")
+    if isinstance(value, bool) and expected is not bool:
+        raise wrong
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise wrong
+    elif expected is int:
+        if not isinstance(value, int):
+            raise wrong
+    elif expected is float:
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise wrong
+        value = float(value)
+    elif isinstance(value, int | float):
+        value = str(value)
+    elif not isinstance(value, str):
+        raise wrong
+    choices = OPTION_CHOICES.get(name)
+    if choices is not None and value not in choices:
+        raise UsageError(f"{where}: key '{key}' must be one of: {', '.join(choices)}; got '{value}'")
+    return value
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "no value"
+    if isinstance(value, dict | list):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    return f"{value!r}"
+
+
+def _yaml_position(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    position = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{position}: {problem}" if problem else position
+
+
+def merge_options(cli: dict, config: dict, defaults: dict) -> dict:
+    """Resolve every option: the command line wins when given (not None), then the config file, then defaults."""
+    merged = dict(defaults)
+    for name, value in config.items():
+        if value is not None:
+            merged[name] = value
+    for name, value in cli.items():
+        if value is not None or name not in merged:
+            merged[name] = value
+    return merged
+
+
+def check_choice(name: str, value: object, choices: Collection) -> object:
+    """Reject ``value`` unless it is one of ``choices``; returns it so calls can be chained."""
+    if value not in choices:
+        options = ", ".join(str(choice) for choice in choices)
+        raise UsageError(f"invalid --{_flag(name)} '{value}'; choose from: {options}")
+    return value
+
+
+def check_positive_int(name: str, value: object, maximum: int | None = None) -> int:
+    """Reject anything but an integer in [1, maximum]; a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be a positive integer")
+    if maximum is not None and value > maximum:
+        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be at most {maximum}")
+    return value
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,279 @@
+import hashlib
+import io
+import sys
+from pathlib import Path
+
+import pypdf
+import pytest
+
+from klevict_cli.documents import Document, load_document, normalise
+from klevict_cli.errors import DocumentError
+
+
+def text_pdf(*pages: str) -> bytes:
+    """A minimal hand-written PDF with one line of Helvetica text per page."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", "", "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for text in pages:
+        stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET"
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream")
+        objects.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {len(objects)} 0 R"
+            " /Resources << /Font << /F1 3 0 R >> >> >>"
+        )
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{offset:010d} 00000 n \n" for offset in offsets).encode()
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return bytes(out)
+
+
+def write(tmp_path: Path, name: str, data: bytes | str) -> str:
+    path = tmp_path / name
+    if isinstance(data, str):
+        path.write_text(data, encoding="utf-8", newline="")
+    else:
+        path.write_bytes(data)
+    return str(path)
+
+
+def encrypted(pdf: bytes, user_password: str, owner_password: str | None = None) -> bytes:
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdf)))
+    writer.encrypt(user_password, owner_password)
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    return buffer.getvalue()
+
+
+def error_of(source: str) -> str:
+    with pytest.raises(DocumentError) as info:
+        load_document(source)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+class FakeStdin:
+    def __init__(self, data: bytes):
+        self.buffer = io.BytesIO(data)
+
+
+# --- text files ------------------------------------------------------------------------------------------------
+
+
+def test_text_file_gives_text_name_and_hash(tmp_path):
+    path = write(tmp_path, "doc.txt", "Hello  world.\r\n")
+    doc = load_document(path)
+    assert doc == Document(text="Hello world.", name=path, sha256=hashlib.sha256(b"Hello world.").hexdigest())
+
+
+def test_document_is_frozen(tmp_path):
+    doc = load_document(write(tmp_path, "doc.txt", "x"))
+    with pytest.raises(AttributeError):
+        doc.text = "y"
+
+
+def test_utf8_bom_is_stripped(tmp_path):
+    assert load_document(write(tmp_path, "bom.txt", b"\xef\xbb\xbfcaf\xc3\xa9")).text == "café"
+
+
+def test_utf16_with_bom_is_text(tmp_path):
+    assert load_document(write(tmp_path, "win.txt", "Grüße\r\n".encode("utf-16"))).text == "Grüße"
+
+
+def test_same_content_same_hash_across_line_endings_and_forms(tmp_path):
+    a = load_document(write(tmp_path, "a.txt", "cafe\u0301\r\nbar  \r\n"))
+    b = load_document(write(tmp_path, "b.md", "\ufeffcaf\u00e9\nbar"))
+    assert a.text == b.text == "caf\u00e9\nbar"
+    assert a.sha256 == b.sha256
+
+
+def test_unknown_suffix_is_read_as_text(tmp_path):
+    assert load_document(write(tmp_path, "notes", "plain")).text == "plain"
+
+
+def test_nul_byte_means_binary(tmp_path):
+    assert error_of(write(tmp_path, "a.bin", b"text\x00more")).endswith(": looks like a binary file, not text")
+
+
+def test_mostly_invalid_utf8_is_binary(tmp_path):
+    path = write(tmp_path, "img.txt", bytes(range(0x80, 0x100)) * 4)
+    message = error_of(path)
+    assert message.startswith(path) and "looks like a binary file, not text" in message
+
+
+def test_a_stray_invalid_byte_in_long_text_is_tolerated(tmp_path):
+    data = b"word " * 200 + b"\xff" + b" end"  # 1 bad character in ~1000
+    text = load_document(write(tmp_path, "latin.txt", data)).text
+    assert text.count("\ufffd") == 1 and text.endswith("\ufffd end")
+
+
+def test_just_over_one_percent_invalid_is_binary(tmp_path):
+    data = b"a" * 97 + b"\xff\xff"  # 2 of 99 characters
+    assert "binary" in error_of(write(tmp_path, "x.txt", data))
+
+
+# --- normalisation ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("e\u0301", "\u00e9"),  # NFC
+        ("a \t  b\t\tc", "a b c"),  # runs of spaces and tabs
+        ("a\r\nb\rc\nd", "a\nb\nc\nd"),  # line endings
+        ("line one   \nline two\t\n", "line one\nline two"),  # trailing spaces
+        ("p1\n\n\n\n\np2", "p1\n\np2"),  # paragraph breaks
+        ("p1\n  \t \n \np2", "p1\n\np2"),  # blank lines holding only spaces
+        ("p1\r\n\r\np2", "p1\n\np2"),
+        ("  \n\n text \n\n ", "text"),  # document edges
+        ("page1\fpage2", "page1\n\npage2"),  # form feed is a page break
+        ("  indented", "indented"),
+        ("a\n  b", "a\n b"),  # leading spaces of a line collapse but are kept
+    ],
+)
+def test_normalise(raw, expected):
+    assert normalise(raw) == expected
+
+
+@pytest.mark.parametrize("raw", ["one\ntwo", "one\r\ntwo", "one\rtwo", "one\ttwo", "one \n two", "one\n\n\n\ntwo"])
+def test_words_are_never_joined(raw):
+    assert normalise(raw).split() == ["one", "two"]
+
+
+def test_normalised_text_is_a_fixed_point():
+    once = normalise("  A \u0301 b\r\n\r\n\r\nc \t d\n")
+    assert normalise(once) == once
+
+
+# --- file errors -----------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.txt")
+    assert error_of(path) == f"{path}: no such file"
+
+
+def test_directory(tmp_path):
+    assert "is a directory" in error_of(str(tmp_path))
+
+
+def test_permission_denied(tmp_path, monkeypatch):
+    path = write(tmp_path, "secret.txt", "x")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    assert error_of(path) == f"{path}: permission denied"
+
+
+@pytest.mark.parametrize("content", [b"", b"   \n\t\r\n  ", b"\r\n\r\n"])
+def test_empty_or_whitespace_only_file(tmp_path, content):
+    path = write(tmp_path, "empty.txt", content)
+    message = error_of(path)
+    assert message.startswith(f"{path}: is empty")
+
+
+# --- PDF -------------------------------------------------------------------------------------------------------
+
+
+def test_pdf_text_layer_pages_joined_by_blank_line(tmp_path):
+    path = write(tmp_path, "doc.pdf", text_pdf("Hello world", "Second page"))
+    assert load_document(path).text == "Hello world\n\nSecond page"
+
+
+def test_pdf_suffix_is_case_insensitive(tmp_path):
+    assert load_document(write(tmp_path, "DOC.PDF", text_pdf("Upper"))).text == "Upper"
+
+
+def test_pdf_is_detected_by_content(tmp_path):
+    assert load_document(write(tmp_path, "download", text_pdf("Sniffed"))).text == "Sniffed"
+
+
+def test_pdf_without_text_layer(tmp_path):
+    writer = pypdf.PdfWriter()
+    writer.add_blank_page(width=612, height=792)
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    path = write(tmp_path, "scan.pdf", buffer.getvalue())
+    assert error_of(path) == f"{path}: has no text layer (scanned?); run OCR first"
+
+
+def test_pdf_with_password_is_refused(tmp_path):
+    path = write(tmp_path, "locked.pdf", encrypted(text_pdf("Secret"), "pw"))
+    message = error_of(path)
+    assert message.startswith(path) and "encrypted" in message
+
+
+def test_pdf_encrypted_with_empty_user_password_opens(tmp_path):
+    path = write(tmp_path, "permissions.pdf", encrypted(text_pdf("Readable"), "", "owner"))
+    assert load_document(path).text == "Readable"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"%PDF-1.4\nthis is not really a pdf", b"not a pdf at all", text_pdf("Truncated")[:60]],
+)
+def test_broken_pdf(tmp_path, data):
+    path = write(tmp_path, "broken.pdf", data)
+    assert error_of(path).startswith(f"{path}: cannot read PDF: ")
+
+
+def test_empty_pdf_file_is_empty(tmp_path):
+    path = write(tmp_path, "zero.pdf", b"")
+    assert error_of(path) == f"{path}: is empty"
+
+
+# --- stdin -----------------------------------------------------------------------------------------------------
+
+
+def test_stdin(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", FakeStdin("from  a pipe\r\n".encode()))
+    doc = load_document("-")
+    assert (doc.text, doc.name) == ("from a pipe", "<stdin>")
+
+
+def test_stdin_pdf_is_detected_by_content(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(text_pdf("Piped PDF")))
+    assert load_document("-").text == "Piped PDF"
+
+
+def test_stdin_empty(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b""))
+    assert error_of("-").startswith("<stdin>: is empty")
+
+
+def test_stdin_whitespace_only(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b"\n \n"))
+    assert error_of("-").startswith("<stdin>: is empty")
+
+
+def test_stdin_closed(monkeypatch):
+    fake = FakeStdin(b"data")
+    fake.buffer.close()
+    monkeypatch.setattr(sys, "stdin", fake)
+    assert error_of("-") == "<stdin>: standard input is closed"
+
+
+def test_stdin_missing(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    assert error_of("-") == "<stdin>: standard input is closed"
+
+
+def test_stdin_binary(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b"\x00\x01\x02"))
+    assert error_of("-") == "<stdin>: looks like a binary file, not text"
+
+
+def test_broken_pdf_warnings_stay_off_the_log(tmp_path, caplog):
+    path = write(tmp_path, "not-a.pdf", b"not a pdf at all")
+    assert "invalid pdf header" in error_of(path)  # pypdf's first warning is kept as the hint
+    assert not [record for record in caplog.records if record.name.startswith("pypdf")]

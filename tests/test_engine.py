@@ -1,0 +1,198 @@
+"""Exactness of the chunked engine: full budget == one forward; eviction == masking; compact == re-rotation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from klevict_cli.adapters import adapter_for
+from klevict_cli.engine import Engine, plan_positions
+from klevict_cli.errors import ResourceError
+from klevict_cli.policies import make_policy
+from tests.conftest import tiny_llama
+
+# ---- a reference attention: plain eager softmax over a per-layer, per-KV-head visibility mask -----------------
+_REFERENCE_MASKS: dict[int, torch.Tensor] = {}
+
+
+def _masked_reference(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    visible = _REFERENCE_MASKS[module.layer_idx]  # (H_kv, T, T)
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1).double()
+    v = value.repeat_interleave(groups, dim=1).double()
+    scores = (query.double() @ k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~visible.repeat_interleave(groups, dim=0)[None], float("-inf"))
+    out = scores.softmax(-1) @ v
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("klevict_test_reference", _masked_reference)
+
+
+def reference_logits(model, ids: list[int], masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    _REFERENCE_MASKS.clear()
+    _REFERENCE_MASKS.update(masks)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("klevict_test_reference")
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def causal_masks(model, n: int) -> dict[int, torch.Tensor]:
+    shapes = adapter_for(model).layer_shapes()
+    base = torch.ones(n, n, dtype=torch.bool).tril()
+    return {i: base.expand(s.kv_heads, n, n).clone() for i, s in enumerate(shapes)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=1)
+
+
+def test_reference_attention_matches_the_model(model):
+    ids = torch.randint(0, 300, (40,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(reference_logits(model, ids, causal_masks(model, 40)), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 32, 500])
+def test_full_budget_chunked_prefill_equals_one_forward(model, chunk_size):
+    torch.manual_seed(0)
+    document = torch.randint(0, 300, (90,)).tolist()
+    question = torch.randint(0, 300, (9,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([document + question])).logits[0, -1]
+    engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=None, chunk_size=chunk_size)
+    stream = engine.new_stream()
+    engine.feed(stream, document)
+    got = engine.feed(stream, question, evict=False)
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert stream.next_position == 99
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streaming"])
+@pytest.mark.parametrize("chunk_size", [16, 25])
+def test_eviction_equals_masking_the_evicted_entries(model, method, chunk_size):
+    """Every token must see exactly the entries that were kept when it was read, at their original positions."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 300, (100,)).tolist()
+    budget = 24
+    engine = Engine(model, adapter_for(model), make_policy(method), budget=budget, chunk_size=chunk_size,
+                    probe_window=8)
+    stream = engine.new_stream()
+    n = len(ids) + 1
+    masks = causal_masks(model, n)
+    kept_before: list[set[int]] | None = None
+    for start in range(0, len(ids), chunk_size):
+        chunk = ids[start : start + chunk_size]
+        if kept_before is not None:  # queries of this chunk see only what survived the previous eviction
+            for layer_idx, layer in enumerate(stream.cache.layers):
+                for h in range(layer.keys.shape[0]):
+                    survivors = layer.positions[h][layer.valid[h]]
+                    row = torch.zeros(n, dtype=torch.bool)
+                    row[survivors] = True
+                    masks[layer_idx][h, start:, :start] = row[:start]
+        engine.feed(stream, chunk)
+        kept_before = True
+    for layer_idx, layer in enumerate(stream.cache.layers):  # the next token sees the final cache
+        assert int(layer.lengths().max()) <= budget
+        for h in range(layer.keys.shape[0]):
+            row = torch.zeros(n, dtype=torch.bool)
+            row[layer.positions[h][layer.valid[h]]] = True
+            row[-1] = True
+            masks[layer_idx][h, -1] = row
+    next_token = 5
+    got = engine.feed(stream, [next_token], evict=False)
+    expected = reference_logits(model, ids + [next_token], masks)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_cache_never_exceeds_budget_plus_chunk(model):
+    ids = torch.randint(0, 300, (300,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=40, chunk_size=32)
+    stream = engine.new_stream()
+    for start in range(0, 300, 32):
+        engine.feed(stream, ids[start : start + 32])
+        assert max(stream.cache.capacities()) <= 40
+    assert all(all(c == 40 for c in counts) for counts in stream.cache.kept_counts())
+
+
+def test_rerotated_key_equals_the_key_computed_at_the_new_position(model):
+    adapter = adapter_for(model)
+    rotary = model.model.rotary_emb
+    torch.manual_seed(2)
+    raw = torch.randn(1, 2, 5, 16)  # (batch, kv heads, tokens, head_dim)
+
+    def rotate(positions):
+        cos, sin = rotary(raw, position_ids=torch.tensor([positions]))
+        return apply_rotary_pos_emb(raw, raw, cos, sin)[1][0]
+
+    old, new = [900, 1000, 1200, 1500, 1999], [3, 4, 5, 6, 7]
+    delta = torch.tensor(new) - torch.tensor(old)
+    moved = adapter.rerotate(rotate(old), delta.expand(2, 5), 0)
+    assert torch.allclose(moved, rotate(new), atol=1e-4)
+
+
+def test_compact_mode_rerotates_kept_keys_to_consecutive_positions(model):
+    torch.manual_seed(3)
+    ids = torch.randint(0, 300, (60,)).tolist()
+    streams = {}
+    for mode in ("original", "compact"):
+        engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=20, chunk_size=45, mode=mode,
+                        probe_window=8)
+        stream = engine.new_stream()
+        engine.feed(stream, ids[:15])
+        engine.feed(stream, ids[15:])  # first eviction happens here: both modes share the same history
+        streams[mode] = (engine, stream)
+    original, compact = streams["original"][1], streams["compact"][1]
+    assert compact.next_rope == 20 and original.next_rope == 60 and compact.next_position == 60
+    adapter = adapter_for(model)
+    for idx, (lo, lc) in enumerate(zip(original.cache.layers, compact.cache.layers)):
+        assert torch.equal(lo.positions, lc.positions)
+        assert torch.equal(lc.rope_positions, torch.arange(20).expand_as(lc.rope_positions))
+        expected = adapter.rerotate(lo.keys, lc.rope_positions - lo.rope_positions, idx)
+        assert torch.allclose(lc.keys, expected, atol=1e-5)
+        assert torch.equal(lc.values, lo.values)
+
+
+def test_compact_mode_keeps_positions_bounded_on_a_document_longer_than_the_context():
+    model = tiny_llama(seed=4, max_position_embeddings=128)
+    ids = torch.randint(0, 300, (600,)).tolist()
+    plan = plan_positions(len(ids), 48, chunk_size=32, reserve=32, max_positions=128)
+    assert plan.mode == "compact"
+    engine = Engine(model, adapter_for(model), make_policy("streaming"), budget=plan.budget, chunk_size=32,
+                    mode=plan.mode)
+    stream = engine.new_stream()
+    logits = engine.feed(stream, ids)
+    assert torch.isfinite(logits).all()
+    assert stream.next_rope <= 48 and stream.next_position == 600
+    assert max(int(layer.rope_positions.max()) for layer in stream.cache.layers) < 48
+
+
+def test_plan_positions_caps_the_budget_and_refuses_what_cannot_fit():
+    plan = plan_positions(10_000, 5000, chunk_size=512, reserve=512, max_positions=2048)
+    assert plan.mode == "compact" and plan.budget == 1536 and plan.notes
+    assert plan_positions(1000, 100, 512, 512, 2048).mode == "original"
+    with pytest.raises(ResourceError):
+        plan_positions(10_000, None, 512, 512, 2048)
+    with pytest.raises(ResourceError):
+        plan_positions(10_000, 100, 512, 512, 2048, mode="original")
+
+
+def test_generation_is_deterministic_given_a_seed(model):
+    ids = torch.randint(0, 300, (50,)).tolist()
+
+    def run(seed):
+        engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=20, chunk_size=16, seed=seed)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        return list(engine.generate(stream, [1, 2], 12, set(), temperature=1.0, top_p=0.9))
+
+    assert run(7) == run(7)
+    assert len(run(7)) == 12

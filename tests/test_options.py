@@ -1,0 +1,287 @@
+import math
+
+import pytest
+
+from klevict_cli.errors import UsageError
+from klevict_cli.options import (
+    OPTION_TYPES,
+    Budget,
+    check_choice,
+    check_positive_int,
+    load_config,
+    merge_options,
+    parse_budget,
+)
+
+# --- budgets ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "budget", "canonical"),
+    [
+        ("5%", Budget(fraction=0.05), "5%"),
+        ("12.5%", Budget(fraction=0.125), "12.5%"),
+        ("100%", Budget(fraction=1.0), "100%"),
+        ("0.5%", Budget(fraction=0.005), "0.5%"),
+        ("0.05", Budget(fraction=0.05), "5%"),
+        ("1.0", Budget(fraction=1.0), "100%"),
+        (".25", Budget(fraction=0.25), "25%"),
+        ("2048", Budget(tokens=2048), "2048"),
+        ("1", Budget(tokens=1), "1"),
+        ("2k", Budget(tokens=2048), "2048"),
+        ("2K", Budget(tokens=2048), "2048"),
+        ("1.5k", Budget(tokens=1536), "1536"),
+        ("1m", Budget(tokens=1024 * 1024), "1048576"),
+        ("1M", Budget(tokens=1024 * 1024), "1048576"),
+        ("0.1k", Budget(tokens=102), "102"),  # rounded to a whole token
+        ("5 %", Budget(fraction=0.05), "5%"),  # spaces are ignored
+        (" 2 k ", Budget(tokens=2048), "2048"),
+    ],
+)
+def test_budget_accepted(text, budget, canonical):
+    parsed = parse_budget(text)
+    assert parsed.tokens == budget.tokens
+    assert parsed.fraction == (None if budget.fraction is None else pytest.approx(budget.fraction))
+    assert str(parsed) == canonical
+    assert parse_budget(str(parsed)).resolve(10_000) == parsed.resolve(10_000)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", " ", "abc", "0", "0%", "0.0", "-5%", "-5", "150%", "100.1%", "1.5", "2.0", "nan", "inf", "-inf", "1e3",
+     "1_000", "5%%", "k", "%", "0k", "0.0001k", "5 percent", "2kb", "1.5.2", "0x10"],
+)
+def test_budget_rejected(text):
+    with pytest.raises(UsageError) as info:
+        parse_budget(text)
+    message = str(info.value)
+    assert f"'{text}'" in message
+    for form in ("5%", "0.05", "2048", "2k"):
+        assert form in message  # the accepted forms are listed
+
+
+@pytest.mark.parametrize(
+    ("budget", "n_tokens", "kept"),
+    [
+        (Budget(fraction=0.05), 100, 5),  # not 6 from 5.000000000000001
+        (Budget(fraction=0.05), 101, 6),  # rounds up
+        (Budget(fraction=0.05), 10, 1),
+        (Budget(fraction=0.01), 1, 1),  # never 0
+        (Budget(fraction=0.01), 0, 1),
+        (Budget(fraction=1.0), 777, 777),
+        (Budget(fraction=0.125), 1000, 125),
+        (Budget(tokens=2048), 100, 2048),
+        (Budget(tokens=2048), 10**6, 2048),
+    ],
+)
+def test_budget_resolve(budget, n_tokens, kept):
+    assert budget.resolve(n_tokens) == kept
+
+
+def test_percent_resolves_exactly_for_many_sizes():
+    for percent in (1, 3, 5, 7, 10, 12.5, 33, 50):
+        budget = parse_budget(f"{percent}%")
+        for n in (100, 200, 1000, 4000):
+            assert budget.resolve(n) == math.ceil(percent * n / 100 - 1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"fraction": 0.5, "tokens": 3}, {"fraction": 0.0}, {"fraction": 1.5}, {"tokens": 0}]
+)
+def test_budget_invariants(kwargs):
+    with pytest.raises(ValueError):
+        Budget(**kwargs)
+
+
+def test_budget_is_frozen():
+    with pytest.raises(AttributeError):
+        Budget(tokens=3).tokens = 4
+
+
+# --- config file -----------------------------------------------------------------------------------------------
+
+
+def config_file(tmp_path, text):
+    path = tmp_path / "klevict.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def config_error(tmp_path, text):
+    with pytest.raises(UsageError) as info:
+        load_config(config_file(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message and "klevict.yaml" in message
+    return message
+
+
+def test_no_config_path_means_no_config():
+    assert load_config(None) == {}
+
+
+def test_config_values_and_key_spellings(tmp_path):
+    path = config_file(
+        tmp_path,
+        """
+        model: Qwen/Qwen2.5-0.5B
+        budget: 5%
+        chunk-size: 512
+        max_new_tokens: 64
+        temperature: 1
+        top-p: 0.9
+        position-mode: compact
+        json: true
+        quiet: no
+        """.replace("\n        ", "\n"),
+    )
+    assert load_config(path) == {
+        "model": "Qwen/Qwen2.5-0.5B",
+        "budget": "5%",
+        "chunk_size": 512,
+        "max_new_tokens": 64,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "position_mode": "compact",
+        "json": True,
+        "quiet": False,
+    }
+    assert isinstance(load_config(path)["temperature"], float)
+
+
+def test_every_option_type_is_known():
+    assert set(OPTION_TYPES.values()) <= {str, int, float, bool}
+    assert OPTION_TYPES["chunk_size"] is int and OPTION_TYPES["json"] is bool and OPTION_TYPES["top_p"] is float
+
+
+@pytest.mark.parametrize(("text", "expected"), [("budget: 2048", "2048"), ("budget: 0.05", "0.05")])
+def test_numbers_are_taken_for_string_options(tmp_path, text, expected):
+    assert load_config(config_file(tmp_path, text)) == {"budget": expected}
+    assert parse_budget(expected)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_empty_config(tmp_path, text):
+    assert load_config(config_file(tmp_path, text)) == {}
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    message = config_error(tmp_path, "chunksize: 5\n")
+    assert "unknown key 'chunksize'" in message and "chunk-size" in message and "max-new-tokens" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ("chunk-size: 1.5", "chunk-size", "an integer"),
+        ("chunk_size: '512'", "chunk_size", "an integer"),
+        ("seed: true", "seed", "an integer"),  # a bool is not an int
+        ("temperature: hot", "temperature", "a number"),
+        ("temperature: yes", "temperature", "a number"),
+        ("temperature: .nan", "temperature", "a number"),
+        ("json: 1", "json", "true or false"),
+        ("quiet: 'yes'", "quiet", "true or false"),
+        ("model: [a, b]", "model", "a string"),
+        ("prompt: {a: 1}", "prompt", "a string"),
+        ("device: off", "device", "a string"),  # YAML reads off as false
+        ("seed:", "seed", "an integer"),
+    ],
+)
+def test_wrong_type_names_key_and_type(tmp_path, text, key, expected):
+    message = config_error(tmp_path, text)
+    assert f"key '{key}'" in message and f"must be {expected}" in message
+
+
+def test_position_mode_choice_is_checked(tmp_path):
+    message = config_error(tmp_path, "position_mode: sideways")
+    assert "key 'position_mode' must be one of: auto, original, compact; got 'sideways'" in message
+
+
+def test_same_key_with_dashes_and_underscores(tmp_path):
+    assert "twice" in config_error(tmp_path, "chunk-size: 1\nchunk_size: 2\n")
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_top_level_must_be_a_mapping(tmp_path, text):
+    assert "mapping" in config_error(tmp_path, text)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    message = config_error(tmp_path, "model: a\nbudget: [5%\nseed: 1\n")
+    assert "malformed YAML" in message and "line" in message
+
+
+def test_malformed_yaml_line_number(tmp_path):
+    message = config_error(tmp_path, "model: a\nseed: 1\n  bad: indent\n")
+    assert "line 3" in message
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_directory(tmp_path):
+    with pytest.raises(UsageError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_config_not_utf8(tmp_path):
+    path = tmp_path / "klevict.yaml"
+    path.write_bytes(b"model: \xff\xfe\n")
+    with pytest.raises(UsageError, match="not UTF-8"):
+        load_config(path)
+
+
+# --- merging and checks ----------------------------------------------------------------------------------------
+
+
+def test_merge_precedence():
+    defaults = {"budget": "10%", "seed": 0, "quiet": False, "chunk_size": 512}
+    config = {"budget": "5%", "seed": 7}
+    cli = {"budget": None, "seed": 3, "quiet": None, "output": None}
+    assert merge_options(cli, config, defaults) == {
+        "budget": "5%",  # config beats default when the CLI is silent
+        "seed": 3,  # CLI beats config
+        "quiet": False,  # default when neither is given
+        "chunk_size": 512,
+        "output": None,  # known only to the CLI, still present
+    }
+
+
+def test_merge_keeps_falsy_cli_values():
+    assert merge_options({"quiet": False, "seed": 0}, {"quiet": True, "seed": 9}, {}) == {"quiet": False, "seed": 0}
+
+
+def test_merge_does_not_modify_inputs():
+    cli, config, defaults = {"a": 1}, {"b": 2}, {"a": 0, "b": 0, "c": 0}
+    merge_options(cli, config, defaults)
+    assert (cli, config, defaults) == ({"a": 1}, {"b": 2}, {"a": 0, "b": 0, "c": 0})
+
+
+def test_check_choice():
+    assert check_choice("method", "kl", ("kl", "h2o", "snapkv")) == "kl"
+    with pytest.raises(UsageError) as info:
+        check_choice("method", "x", ("a", "b", "c"))
+    assert str(info.value) == "invalid --method 'x'; choose from: a, b, c"
+
+
+def test_check_choice_uses_dashes():
+    with pytest.raises(UsageError, match=r"--cache-dtype 'int3'"):
+        check_choice("cache_dtype", "int3", ["fp16", "int8"])
+
+
+@pytest.mark.parametrize("value", [1, 512])
+def test_positive_int_accepted(value):
+    assert check_positive_int("chunk_size", value, maximum=512) == value
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "4", None])
+def test_positive_int_rejected(value):
+    with pytest.raises(UsageError, match="invalid --chunk-size .*must be a positive integer"):
+        check_positive_int("chunk_size", value)
+
+
+def test_positive_int_maximum():
+    assert check_positive_int("seed", 10**9) == 10**9
+    with pytest.raises(UsageError, match="invalid --chunk-size '513'; must be at most 512"):
+        check_positive_int("chunk_size", 513, maximum=512)
