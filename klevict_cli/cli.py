@@ -1,0 +1,353 @@
+"""The `klevict` command line: results on stdout, progress and notes on stderr, `--json` for machines.
+
+Every option may also come from `--config klevict.yaml`; the command line wins. User mistakes end with one line
+`error: …` and the exit code of their class (see `klevict --help`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from klevict_cli import __version__
+from klevict_cli.errors import KlevictError, UsageError
+from klevict_cli.options import check_choice, check_positive_int, load_config, merge_options, parse_budget
+
+EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
+4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 130 interrupted (Ctrl-C);
+143 terminated (SIGTERM)."""
+
+app = typer.Typer(
+    name="klevict",
+    help="Stream long documents through an LLM with KL-guided KV-cache eviction; save and reuse the compressed cache."
+    "\n\n" + EXIT_CODES,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+
+DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "budget": "10%",
+    "method": "snapkv",
+    "chunk_size": 512,
+    "device": "cpu",
+    "dtype": "float32",
+    "cache_dtype": None,
+    "seed": 0,
+    "max_new_tokens": 256,
+    "prompt": None,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "position_mode": "auto",
+    "probe_window": 32,
+    "json": False,
+    "quiet": False,
+}
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+
+# ---- shared options ------------------------------------------------------------------------------------------
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default), "
+                                               "a local HF folder, a .gguf file or a hub id.")]
+BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
+                                                "2k (=2048). Default 10%.")]
+MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default snapkv; none = full "
+                                                "cache).")]
+ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
+DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies.")]
+MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
+TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
+TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
+ModeOpt = Annotated[str | None, typer.Option("--position-mode", help="auto (default), original or compact.")]
+ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last tokens of a chunk used as probes and "
+                                              "always kept (default 32).")]
+JsonOpt = Annotated[bool | None, typer.Option("--json", help="Print one JSON object on stdout.")]
+QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
+
+
+def handle_errors(fn):
+    """Turn user errors and interrupts into one line on stderr and the documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        except ValueError:  # not the main thread (e.g. some test runners)
+            previous = None
+        try:
+            return fn(*args, **kwargs)
+        except KlevictError as exc:
+            say(f"error: {exc}")
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            say("interrupted")
+            raise typer.Exit(130) from None
+        except Terminated:
+            say("terminated")
+            raise typer.Exit(143) from None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    return wrapper
+
+
+def say(line: str) -> None:
+    """One unwrapped line on stderr (rich would wrap long messages at the terminal width)."""
+    sys.stderr.write(" ".join(line.split()) + "\n")
+    sys.stderr.flush()
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that atomic writes clean up their temp files."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
+    opts = merge_options(cli, load_config(config), DEFAULTS)
+    if opts.get("chunk_size") is not None:
+        check_positive_int("chunk_size", opts["chunk_size"])
+    check_positive_int("probe_window", opts["probe_window"])
+    if opts.get("max_new_tokens") is not None and opts["max_new_tokens"] < 0:
+        raise UsageError(f"invalid --max-new-tokens {opts['max_new_tokens']}; it must be >= 0")
+    check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
+    if opts.get("cache_dtype") is not None:
+        check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
+    from klevict_cli.policies import POLICIES
+
+    check_choice("method", opts["method"], tuple(POLICIES))
+    if not 0 < opts["top_p"] <= 1:
+        raise UsageError(f"invalid --top-p {opts['top_p']}; it must be in (0, 1]")
+    if opts["temperature"] < 0:
+        raise UsageError(f"invalid --temperature {opts['temperature']}; it must be >= 0")
+    return opts
+
+
+def progress_bar(quiet: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+        TimeRemainingColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
+    )
+
+
+def note(opts: dict, message: str) -> None:
+    if not opts["quiet"]:
+        say(message)
+
+
+@functools.lru_cache(maxsize=4)
+def _session(model: str | None, device: str, dtype: str, quiet: bool):
+    """One model load per process, whatever the number of commands or questions."""
+    from klevict_cli.attention import ATTENTION_NAME
+    from klevict_cli.models import load_model
+    from klevict_cli.session import Session
+
+    return Session(load_model(model, device=device, dtype=dtype, attn_implementation=ATTENTION_NAME, quiet=quiet))
+
+
+def session_for(opts: dict):
+    quiet = opts["quiet"] or not err.is_terminal
+    return _session(opts["model"], opts["device"], opts["dtype"], quiet)
+
+
+def read_document(opts: dict, source: str, reserve: int | None = None):
+    from klevict_cli.documents import load_document
+    from klevict_cli.session import ReadSettings
+
+    budget = parse_budget(str(opts["budget"]))
+    document = load_document(source)
+    session = session_for(opts)
+    settings = ReadSettings(
+        budget=budget, method=opts["method"], chunk_size=opts["chunk_size"], probe_window=opts["probe_window"],
+        position_mode=opts["position_mode"], seed=opts["seed"], max_new_tokens=opts["max_new_tokens"],
+    )
+    with progress_bar(opts["quiet"]) as bar:
+        task = bar.add_task(f"reading {document.name}", total=None)
+        result = session.read(document, settings, lambda done, total: bar.update(task, completed=done, total=total),
+                              reserve=reserve)
+    for line in result.notes:
+        note(opts, f"note: {line}")
+    return session, result
+
+
+def read_summary(result) -> dict:
+    cache = result.stream.cache
+    kept = sum(sum(c) for c in cache.kept_counts())
+    return {
+        "document": {"name": result.document.name, "sha256": result.document.sha256,
+                     "tokens": result.document_tokens},
+        "method": result.settings.method,
+        "budget": str(result.settings.budget),
+        "budget_tokens": result.plan.budget,
+        "position_mode": result.plan.mode,
+        "kept_entries": kept,
+        "cache_bytes": cache.nbytes(),
+        "read_seconds": round(result.seconds, 3),
+        "tokens_per_second": round((result.document_tokens + result.prefix_tokens) / max(result.seconds, 1e-9), 1),
+    }
+
+
+def emit_json(payload: dict) -> None:
+    sys.stdout.write(json.dumps(payload, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+# ---- commands ------------------------------------------------------------------------------------------------
+@app.command()
+@handle_errors
+def summarize(
+    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Instruction after the document.")] = None,
+    model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
+    temperature: TempOpt = None, top_p: TopPOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+):
+    """Read a document with eviction between chunks, then summarise it."""
+    from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
+    from klevict_cli.session import GenerateSettings
+
+    opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
+                           dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, position_mode=position_mode, probe_window=probe_window, json=json_out,
+                           quiet=quiet, prompt=prompt)
+    session, result = read_document(opts, file)
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
+    answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
+                            seed=opts["seed"])
+    if opts["json"]:
+        emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
+                   "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
+    else:
+        out.print(answer["text"], markup=False)
+
+
+@app.command()
+@handle_errors
+def compress(
+    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .kvc file.")],
+    model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
+    probe_window: ProbeOpt = None,
+    cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16 "
+                                                    "or bfloat16 (default: the model's dtype).")] = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+):
+    """Read and compress a document; write the cache to a .kvc file (atomically)."""
+    import torch
+
+    opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
+                           dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
+                           cache_dtype=cache_dtype, json=json_out, quiet=quiet)
+    if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
+        raise UsageError(f"-o {output} is the input document; choose another output path")
+    if output.exists() and output.is_dir():
+        raise UsageError(f"-o {output} is a directory")
+    session, result = read_document(opts, file)
+    dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
+    size = session.save(output, result, cache_dtype=dtype_)
+    summary = {"output": str(output), "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    if opts["json"]:
+        emit_json(summary)
+    else:
+        out.print(
+            f"wrote {output}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
+            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
+            f"read in {result.seconds:.1f} s",
+            markup=False,
+        )
+
+
+@app.command()
+@handle_errors
+def ask(
+    cache_file: Annotated[Path, typer.Argument(help="A .kvc file made by `klevict compress`.")],
+    question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.")],
+    model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
+    max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+):
+    """Answer questions from a compressed cache, without re-reading the document."""
+    from klevict_cli.session import GenerateSettings
+
+    opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, json=json_out, quiet=quiet)
+    questions = _questions(question)
+    session = session_for(opts)
+    stream, meta = session.load(cache_file)
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
+    for i, q in enumerate(questions):
+        answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"])
+        if opts["json"]:
+            emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
+                       "first_token_seconds": round(answer["first_token_seconds"], 4),
+                       "seconds": round(answer["seconds"], 3)})
+        else:
+            if len(questions) > 1 and i:
+                out.print()
+            out.print(answer["text"], markup=False)
+
+
+def _questions(question: str) -> list[str]:
+    if question != "-":
+        if not question.strip():
+            raise UsageError("the question is empty")
+        return [question]
+    if sys.stdin is None or sys.stdin.closed:
+        raise UsageError("standard input is closed; pass the question as an argument")
+    lines = [line.strip() for line in sys.stdin.read().splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UsageError("no questions on standard input (one per line)")
+    return lines
+
+
+@app.command()
+@handle_errors
+def inspect(
+    cache_file: Annotated[Path, typer.Argument(help="A .kvc file.")],
+    text: Annotated[bool, typer.Option("--text", help="Render the document with the kept spans highlighted.")] = False,
+    json_out: JsonOpt = None,
+):
+    """Show what a .kvc file kept, where, and how big it is."""
+    from klevict_cli.report import inspect_file
+
+    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out)
+
+
+def version_callback(value: bool):
+    if value:
+        out.print(f"klevict {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+):
+    """klevict: stream long documents through an LLM with KL-guided KV-cache eviction."""
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()

@@ -1,0 +1,109 @@
+"""`klevict inspect`: what a `.kvc` file kept, where, and how big it is.
+
+Works without loading the model (the file is validated on its own); `--text` loads only the tokenizer's model to
+decode the stored token ids and highlight the kept spans.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from klevict_cli.kvc import KvcFile, load_kvc
+
+
+def kept_share(kvc: KvcFile) -> torch.Tensor:
+    """(T,) share of all (layer, KV head) slots that kept each token, in [0, 1]."""
+    total = torch.zeros(len(kvc.tokens), dtype=torch.float64)
+    slots = 0
+    for layer in kvc.layers:
+        total.index_add_(0, layer.positions.long(), torch.ones(len(layer.positions), dtype=torch.float64))
+        slots += len(layer.lengths)
+    return total / max(slots, 1)
+
+
+def spans(share: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of tokens kept by at least one slot."""
+    kept = (share > 0).tolist()
+    runs, start = [], None
+    for i, k in enumerate(kept + [False]):
+        if k and start is None:
+            start = i
+        elif not k and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def describe(path: Path, kvc: KvcFile) -> dict:
+    meta = kvc.metadata
+    per_layer = [layer.lengths.tolist() for layer in kvc.layers]
+    n_tokens = len(kvc.tokens)
+    itemsize = kvc.layers[0].keys.element_size() if kvc.layers else 0
+    full = sum(
+        n_tokens * len(layer.lengths) * (layer.keys.shape[1] + layer.values.shape[1]) * itemsize
+        for layer in kvc.layers
+    )
+    kept = sum(int(layer.keys.numel() + layer.values.numel()) * itemsize for layer in kvc.layers)
+    share = kept_share(kvc)
+    runs = spans(share)
+    return {
+        "file": str(path),
+        "file_bytes": path.stat().st_size,
+        "metadata": meta,
+        "tokens": n_tokens,
+        "kept_per_layer": per_layer,
+        "kv_bytes_kept": kept,
+        "kv_bytes_full": full,
+        "ratio": kept / full if full else 0.0,
+        "tokens_kept_anywhere": int((share > 0).sum()),
+        "spans": len(runs),
+        "longest_spans": sorted(runs, key=lambda r: r[0] - r[1])[:5],
+    }
+
+
+def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None) -> None:
+    kvc = load_kvc(path)
+    info = describe(path, kvc)
+    if as_json:
+        console.file.write(json.dumps(info) + "\n")
+        return
+    meta = info["metadata"]
+    table = Table(title=f"{path}", show_header=False)
+    for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "document_tokens", "next_position",
+                "chunk_size", "cache_dtype", "source_name", "created", "klevict_version", "format_version"):
+        if key in meta:
+            table.add_row(key, meta[key])
+    table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
+                                f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
+    table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} tokens kept by some head, "
+                                   f"in {info['spans']} spans")
+    console.print(table)
+    layers = Table(title="kept entries per layer (per KV head)")
+    layers.add_column("layer", justify="right")
+    layers.add_column("kept per head")
+    layers.add_column("total", justify="right")
+    for i, counts in enumerate(info["kept_per_layer"]):
+        layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
+    console.print(layers)
+    if text:
+        console.print(render_text(kvc, model or meta.get("model_id")))
+
+
+def render_text(kvc: KvcFile, model: str | None) -> Text:
+    """The streamed text, kept tokens highlighted by how many heads kept them."""
+    from klevict_cli.models import load_model
+
+    tokenizer = load_model(model, quiet=True).tokenizer
+    share = kept_share(kvc).tolist()
+    out = Text()
+    for token, s in zip(kvc.tokens.tolist(), share):
+        piece = tokenizer.decode([token])
+        style = "dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow")
+        out.append(piece, style=style)
+    return out

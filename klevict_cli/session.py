@@ -1,0 +1,206 @@
+"""The product's operations, independent of the command line: read a document into a compressed stream, answer from
+a stream, and move a stream to and from a `.kvc` file.
+
+The CLI and the bench both call these; the engine below them knows nothing about documents, prompts or files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from klevict_cli import __version__
+from klevict_cli.adapters import ModelAdapter, adapter_for
+from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.documents import Document
+from klevict_cli.engine import Engine, Plan, Stream, plan_positions
+from klevict_cli.errors import CacheFileError, ResourceError
+from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
+from klevict_cli.models import LoadedModel
+from klevict_cli.options import Budget
+from klevict_cli.policies import make_policy
+from klevict_cli.prompts import frame_for, stop_ids
+
+QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
+
+
+@dataclass
+class ReadSettings:
+    budget: Budget | None  # None: keep everything
+    method: str = "snapkv"
+    chunk_size: int = 512
+    probe_window: int = 32
+    position_mode: str = "auto"
+    seed: int = 0
+    max_new_tokens: int = 256  # planned answer length (room reserved in the positions)
+
+
+@dataclass
+class GenerateSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+@dataclass
+class ReadResult:
+    stream: Stream
+    plan: Plan
+    document_tokens: int
+    prefix_tokens: int
+    seconds: float
+    settings: ReadSettings
+    document: Document
+    notes: list[str] = field(default_factory=list)
+
+
+class Session:
+    """A loaded model plus what every operation on it needs (adapter, prompt frame, stop tokens)."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.adapter: ModelAdapter = adapter_for(lm.model)
+        self.frame = frame_for(lm.tokenizer)
+        self.stop_ids = stop_ids(lm.tokenizer)
+
+    def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str) -> Engine:
+        return Engine(
+            self.lm.model, self.adapter, make_policy(method), budget,
+            chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
+        )
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def read(
+        self, document: Document, settings: ReadSettings,
+        progress: Callable[[int, int], None] | None = None, reserve: int | None = None,
+    ) -> ReadResult:
+        """Tokenise and stream `document` (inside the chat frame) with eviction; the cache ends within budget."""
+        prefix = self.frame.prefix_ids(self.lm.tokenizer)
+        doc_ids = self.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+        ids = prefix + doc_ids
+        budget = settings.budget.resolve(len(ids)) if settings.budget is not None else None
+        if settings.method == "none":
+            budget = None
+        room = reserve if reserve is not None else QUESTION_ROOM + settings.max_new_tokens
+        plan = plan_positions(len(ids), budget, settings.chunk_size, room, self.adapter.max_positions,
+                              settings.position_mode)
+        engine = self.engine(settings.method, plan.budget, settings, plan.mode)
+        stream = engine.new_stream()
+        done = 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, len(ids))
+
+        start = time.perf_counter()
+        engine.feed(stream, ids, progress=tick)
+        return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
+                          list(plan.notes))
+
+    # ---- answering -----------------------------------------------------------------------------------------
+    def answer(self, stream: Stream, question: str, gen: GenerateSettings, mode: str, seed: int = 0) -> dict:
+        """Answer one question from `stream` (left unchanged). Returns text, token counts and timings."""
+        work = stream.clone()
+        suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
+        room = self.adapter.max_positions - work.next_rope - len(suffix)
+        if room < 1:
+            raise ResourceError(
+                f"the question ({len(suffix)} tokens) does not fit the model's {self.adapter.max_positions} positions"
+                f" after the cache (next position {work.next_rope}); recompress with a smaller budget"
+            )
+        max_new = min(gen.max_new_tokens, room)
+        engine = Engine(self.lm.model, self.adapter, make_policy("none"), None, chunk_size=max(len(suffix), 1),
+                        mode=mode, seed=seed)
+        start = time.perf_counter()
+        first_token_at = None
+        tokens: list[int] = []
+        for token in engine.generate(work, suffix, max_new, self.stop_ids, gen.temperature, gen.top_p):
+            if first_token_at is None:
+                first_token_at = time.perf_counter() - start
+            tokens.append(token)
+        total = time.perf_counter() - start
+        text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        return {
+            "text": text,
+            "new_tokens": len(tokens),
+            "first_token_seconds": first_token_at if first_token_at is not None else total,
+            "seconds": total,
+            "truncated_to_fit": max_new < gen.max_new_tokens,
+        }
+
+    # ---- files ---------------------------------------------------------------------------------------------
+    def layer_specs(self) -> list[LayerSpec]:
+        return [LayerSpec(s.kv_heads, s.key_dim, s.value_dim) for s in self.adapter.layer_shapes()]
+
+    def identity(self) -> dict[str, str]:
+        """Metadata that a `.kvc` file must share with the model loading it."""
+        return {
+            "model_id": self.lm.model_id,
+            "model_config_sha256": self.lm.config_sha256,
+            "tokenizer_sha256": self.lm.tokenizer_sha256,
+            "model_weights_sha256": self.lm.weights_sha256,
+        }
+
+    def save(self, path: Path, result: ReadResult, cache_dtype: torch.dtype | None = None) -> int:
+        stream, settings = result.stream, result.settings
+        layers = []
+        for layer in stream.cache.layers:
+            keys, values = layer.keys, layer.values
+            if cache_dtype is not None:
+                keys, values = keys.to(cache_dtype), values.to(cache_dtype)
+            layers.append(packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(),
+                                             layer.rope_positions.cpu(), layer.valid.cpu()))
+        dtype = layers[0].keys.dtype if layers else torch.float32
+        meta = {
+            **self.identity(),
+            "klevict_version": __version__,
+            "cache_dtype": str(dtype).removeprefix("torch."),
+            "position_mode": result.plan.mode,
+            "next_position": str(stream.next_position),
+            "next_rope": str(stream.next_rope),
+            "budget": str(settings.budget) if settings.budget is not None else "all",
+            "budget_tokens": str(result.plan.budget) if result.plan.budget is not None else "all",
+            "method": settings.method,
+            "method_params": json.dumps(make_policy(settings.method).params(), sort_keys=True),
+            "chunk_size": str(settings.chunk_size),
+            "probe_window": str(settings.probe_window),
+            "prefix_tokens": str(result.prefix_tokens),
+            "document_tokens": str(result.document_tokens),
+            "source_name": result.document.name,
+            "source_sha256": result.document.sha256,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        tokens = torch.tensor(stream.tokens, dtype=torch.int32)
+        return save_kvc(path, KvcFile(layers=layers, tokens=tokens, metadata=meta))
+
+    def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
+        """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""
+        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity())
+        meta = kvc.metadata
+        try:
+            next_rope = int(meta["next_rope"])
+            mode = meta["position_mode"]
+        except (KeyError, ValueError) as exc:
+            raise CacheFileError(f"{path}: metadata lacks a valid {exc}") from None
+        if mode not in ("original", "compact") or int(meta.get("next_position", -1)) != len(kvc.tokens):
+            raise CacheFileError(f"{path}: inconsistent position metadata")
+        param = next(self.lm.model.parameters())
+        layers = []
+        for packed, shape in zip(kvc.layers, self.adapter.layer_shapes()):
+            keys, values, positions, rope, valid = padded_from_packed(packed)
+            if valid.any() and int(rope[valid].max()) >= next_rope:
+                raise CacheFileError(f"{path}: a cached entry sits at or after the next position")
+            layers.append(LayerCache(
+                keys.to(param.device, param.dtype), values.to(param.device, param.dtype),
+                positions.long().to(param.device), rope.long().to(param.device), valid.to(param.device), shape.window,
+            ))
+        stream = Stream(KVCache(layers), tokens=kvc.tokens.tolist(), next_rope=next_rope)
+        return stream, meta
