@@ -84,4 +84,17 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     return out.transpose(1, 2).contiguous(), None
 
 
+def _capture_residual(module, args):
+    ctx = _current.get()
+    if ctx is not None and ctx.probe_rows:
+        ctx.residuals = args[0][0, -ctx.probe_rows :].detach()
+
+
+def install_residual_hook(final_norm) -> None:
+    """Record the final residual stream (the final norm's input) at the probe rows; installed once per model."""
+    if not getattr(final_norm, "_klevict_hooked", False):
+        final_norm.register_forward_pre_hook(_capture_residual)
+        final_norm._klevict_hooked = True
+
+
 AttentionInterface.register(ATTENTION_NAME, klevict_attention)

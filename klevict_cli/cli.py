@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer import _click as click  # typer vendors its own click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -33,6 +34,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False, soft_wrap=True)
@@ -119,6 +121,15 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated()
+
+
+def _show_usage_error(self, file=None) -> None:
+    """Option-parser mistakes (unknown flag, missing value) get the same one-line form as every other error."""
+    hint = f" (see {self.ctx.command_path} --help)" if getattr(self, "ctx", None) is not None else ""
+    say(f"error: {self.format_message()}{hint}")
+
+
+click.exceptions.UsageError.show = _show_usage_error
 
 
 def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
@@ -244,7 +255,7 @@ def summarize(
 @handle_errors
 def compress(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .kvc file.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the .kvc file.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
     probe_window: ProbeOpt = None,
@@ -257,7 +268,10 @@ def compress(
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
-                           cache_dtype=cache_dtype, json=json_out, quiet=quiet)
+                           cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output)
+    if not opts.get("output"):
+        raise UsageError("missing --output/-o: where to write the .kvc file")
+    output = Path(opts["output"])
     if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
         raise UsageError(f"-o {output} is the input document; choose another output path")
     if output.exists() and output.is_dir():

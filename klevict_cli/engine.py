@@ -17,7 +17,7 @@ from klevict_cli.adapters import ModelAdapter
 from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache
 from klevict_cli.errors import ResourceError
-from klevict_cli.policies import EvictionStep, Policy, select_keep
+from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
 
 POSITION_MODES = ("auto", "original", "compact")
 
@@ -66,6 +66,9 @@ def plan_positions(
             raise ResourceError(
                 f"the document ({n_tokens} tokens) is longer than the model's {max_positions} positions;"
                 " the full cache cannot hold it — pass a --budget"
+                if not fits
+                else "compact positions need eviction: pass a --budget (and a method other than none)"
+                " or use --position-mode original"
             )
         room = max_positions - max(chunk_size, reserve)
         if room < 1:
@@ -110,38 +113,31 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
-        self._ctx: ForwardContext | None = None
-        adapter.final_norm.register_forward_pre_hook(self._capture_residual)
-
-    def _capture_residual(self, module, args):
-        ctx = self._ctx
-        if ctx is not None and ctx.probe_rows:
-            ctx.residuals = args[0][0, -ctx.probe_rows :].detach()
+        attention.install_residual_hook(adapter.final_norm)
 
     def new_stream(self) -> Stream:
         return Stream(KVCache.empty(self.shapes, self.device, self.dtype))
 
     # ---- one forward ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, stream: Stream, ids: list[int], probe_rows: int = 0) -> tuple[torch.Tensor, ForwardContext]:
-        """Run `ids` at the stream's next positions; returns logits of the last max(1, probe_rows) tokens."""
+    def forward(
+        self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens.
+        Returns the logits of the last `logits_rows` tokens (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         rope = torch.arange(stream.next_rope, stream.next_rope + t, device=self.device)
         stream.cache.begin(positions, rope)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows)
-        self._ctx = ctx
-        try:
-            with forward_context(ctx):
-                out = self.model(
-                    input_ids=torch.tensor([ids], device=self.device),
-                    position_ids=rope[None],
-                    cache=stream.cache,
-                    use_cache=True,
-                    logits_to_keep=max(1, probe_rows),
-                )
-        finally:
-            self._ctx = None
+        with forward_context(ctx):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=rope[None],
+                cache=stream.cache,
+                use_cache=True,
+                logits_to_keep=logits_rows or max(1, probe_rows),
+            )
         stream.tokens.extend(ids)
         stream.next_rope += t
         return out.logits[0].float(), ctx
@@ -171,17 +167,24 @@ class Engine:
         limit = self.budget // 2 if self.budget is not None else chunk_len
         return max(1, min(self.probe_window, chunk_len, limit))
 
+    def _scored_layers(self, stream: Stream) -> dict:
+        return {i: layer for i, layer in enumerate(stream.cache.layers) if layer.window is None}
+
     def _over_budget(self, stream: Stream, incoming: int) -> bool:
+        """Evict after this chunk if the scored layers would hold more than `budget` entries per head in total
+        (sliding-window layers are trimmed after every chunk regardless)."""
         if self.budget is None:
             return False
-        lengths = [layer.lengths().max() if layer.capacity else 0 for layer in stream.cache.layers]
-        return max(int(n) for n in lengths) + incoming > self.budget or any(
-            layer.window is not None for layer in stream.cache.layers
-        )
+        if any(layer.window is not None for layer in stream.cache.layers):
+            return True
+        layers = self._scored_layers(stream).values()
+        heads = sum(layer.keys.shape[0] for layer in layers)
+        held = sum(int(layer.valid.sum()) for layer in layers)
+        return held + incoming * heads > self.budget * heads
 
     @torch.inference_mode()
     def evict(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int) -> None:
-        """Bring every layer back within budget: sliding layers to their window, the others by policy score;
+        """Bring the cache back within budget: sliding layers to their window, the others by policy score;
         the `recent` last tokens are always kept."""
         w = min(recent, stream.next_position)
         step = EvictionStep(
@@ -193,12 +196,23 @@ class Engine:
             logits=logits if ctx.probe_rows else None,
             generator=self.generator,
         )
-        for idx, layer in enumerate(stream.cache.layers):
+        for layer in stream.cache.layers:
             if layer.window is not None:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
-            elif self.budget is not None and layer.capacity and int(layer.lengths().max()) > self.budget:
-                protect = layer.positions >= stream.next_position - w
-                layer.keep(select_keep(layer, self.policy.score(step, idx), self.budget, protect))
+        scored = self._scored_layers(stream)
+        if self.budget is not None and scored:
+            protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
+            scores = self.policy.score_layers(step, list(scored))
+            if self.policy.allocation == "global":
+                masks = select_global(scored, scores, self.budget, protect, min_per_head=w)
+            else:
+                budgets = self.policy.layer_budgets(self.budget, self.adapter.num_layers)
+                masks = {
+                    i: select_keep(layer, scores[i], budgets[i] if budgets else self.budget, protect[i])
+                    for i, layer in scored.items()
+                }
+            for i, mask in masks.items():
+                scored[i].keep(mask)
         if self.mode == "compact":
             self.compact(stream)
 

@@ -419,15 +419,12 @@ def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> 
 def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]) -> None:
     """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed."""
     wrong = {key for key, value in expect.items() if metadata.get(key) != value}
-    if wrong & {"model_id", "model_config_sha256"}:
+    if wrong & {"model_id", "model_config_sha256", "model_weights_sha256"}:
         made = _show(metadata.get("model_id", "an unknown model"))
-        made_config = _show(metadata.get("model_config_sha256", "unknown"))[:12]
-        using = _show(expect.get("model_id", "another model"))
-        using_config = expect.get("model_config_sha256")
-        using += f" (config {_show(using_config)[:12]})" if using_config else ""
+        what = "architecture (config)" if "model_config_sha256" in wrong else "weights"
         raise _error(
             path,
-            f"this cache was made by model {made} (config {made_config}); you are using {using}"
+            f"this cache was made by model {made}, whose {what} differ from the model you are using"
             f" — recompress with this model or pass --model {made}",
         )
     if "tokenizer_sha256" in wrong:

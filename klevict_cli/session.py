@@ -143,7 +143,6 @@ class Session:
     def identity(self) -> dict[str, str]:
         """Metadata that a `.kvc` file must share with the model loading it."""
         return {
-            "model_id": self.lm.model_id,
             "model_config_sha256": self.lm.config_sha256,
             "tokenizer_sha256": self.lm.tokenizer_sha256,
             "model_weights_sha256": self.lm.weights_sha256,
@@ -161,6 +160,7 @@ class Session:
         dtype = layers[0].keys.dtype if layers else torch.float32
         meta = {
             **self.identity(),
+            "model_id": self.lm.model_id,
             "klevict_version": __version__,
             "cache_dtype": str(dtype).removeprefix("torch."),
             "position_mode": result.plan.mode,

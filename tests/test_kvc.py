@@ -340,7 +340,7 @@ def test_cache_from_another_model(saved):
     path, _ = saved
     message = rejects(
         path,
-        "this cache was made by model tiny/model (config cccccccccccc); you are using other/model",
+        "this cache was made by model tiny/model, whose architecture (config) differ",
         expect={**META, "model_id": "other/model", "model_config_sha256": "d" * 64},
     )
     assert "--model tiny/model" in message

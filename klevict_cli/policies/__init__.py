@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from klevict_cli.errors import UsageError
-from klevict_cli.policies.base import EvictionStep, Policy, select_keep
+from klevict_cli.policies.base import EvictionStep, Policy, select_global, select_keep
 from klevict_cli.policies.simple import FullCache, Streaming
 from klevict_cli.policies.snapkv import SnapKV
+from klevict_cli.policies.attention_based import H2O, TOVA, PyramidKV
+from klevict_cli.policies.key_based import KeyDiff, KNorm
+from klevict_cli.policies.output_based import CAOTE, ValueNorm
+from klevict_cli.policies.random_choice import RandomChoice
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FullCache, Streaming, SnapKV)}
+# Baselines for `klevict bench` (and usable as --method anywhere).
+POLICIES.update({cls.name: cls for cls in (PyramidKV, H2O, TOVA, ValueNorm, CAOTE, KeyDiff, KNorm, RandomChoice)})
 
 
 def make_policy(name: str) -> Policy:
@@ -16,4 +22,4 @@ def make_policy(name: str) -> Policy:
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "EvictionStep", "Policy", "make_policy", "select_keep"]
+__all__ = ["POLICIES", "EvictionStep", "Policy", "make_policy", "select_global", "select_keep"]

@@ -32,10 +32,19 @@ class Policy:
     name: str = "policy"
     needs_probes: bool = False  # record queries / attention / head outputs at the probe rows
     evicts: bool = True
+    allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:
+        """Per-layer budgets for uniform allocation (None: `budget` everywhere). PyramidKV-style policies override."""
+        return None
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         """(H_kv, C) float scores for one layer's entries; padding is ignored by the caller."""
         raise NotImplementedError
+
+    def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+        """Scores for several layers at once; override when layers share work (e.g. one backward pass)."""
+        return {i: self.score(step, i) for i in layer_ids}
 
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
@@ -52,3 +61,33 @@ def select_keep(layer: LayerCache, scores: torch.Tensor, budget: int, protect: t
     mask = torch.zeros_like(layer.valid)
     mask.scatter_(1, top, True)
     return mask & layer.valid
+
+
+def select_global(
+    layers: dict[int, LayerCache], scores: dict[int, torch.Tensor], budget: int, protect: dict[int, torch.Tensor],
+    min_per_head: int,
+) -> dict[int, torch.Tensor]:
+    """Keep `budget` entries per head on average, chosen by one top-k over every layer and head: scores must be
+    comparable across layers (the KL policy's are, in nats). Protected entries and each head's `min_per_head` best
+    entries are always kept, so no head is emptied."""
+    flat, owners = [], []
+    for idx, layer in layers.items():
+        s = scores[idx].float().masked_fill(~layer.valid, float("-inf"))
+        s = s.masked_fill(protect[idx] & layer.valid, float("inf"))
+        k = min(min_per_head, layer.capacity)
+        if k:
+            floor = s.topk(k, dim=1).indices
+            s = s.scatter(1, floor, s.gather(1, floor).clamp(min=torch.finfo(torch.float32).max))
+        flat.append(s.flatten())
+        owners.append((idx, s.shape))
+    allowed = budget * sum(layers[idx].keys.shape[0] for idx in layers)
+    everything = torch.cat(flat)
+    keep_flat = torch.zeros_like(everything, dtype=torch.bool)
+    valid_count = int(torch.isfinite(everything).sum() + (everything == float("inf")).sum())
+    keep_flat[everything.topk(min(allowed, valid_count)).indices] = True
+    masks, offset = {}, 0
+    for idx, shape in owners:
+        n = shape[0] * shape[1]
+        masks[idx] = keep_flat[offset : offset + n].view(shape) & layers[idx].valid
+        offset += n
+    return masks

@@ -1,0 +1,675 @@
+"""End-to-end tests of the `klevict` command line on tiny random models (no real weights, no network).
+
+Every command runs in-process through `typer.testing.CliRunner`, which keeps stdout and stderr apart. The
+contract under test: results on stdout, user mistakes as exactly one `error: …` line on stderr with the documented
+exit code (2 option/budget/config, 3 document, 4 .kvc file, 6 does not fit), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from klevict_cli import __version__, cli
+from klevict_cli.cli import app
+
+from .conftest import make_tokenizer, tiny_llama
+
+RUNNER = CliRunner()
+
+DOC_TEXT = """Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse,
+and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of
+the world.
+
+The quick brown fox jumps over the lazy dog. The harbour master counted 17 ships on Monday and 23 on Friday; the
+lighthouse keeper wrote both numbers in a red notebook.
+
+What is the answer? Nobody on the pier could say. The fishermen argued until dusk, then went home for supper."""
+
+# Short reads and answers keep every command well under a second on a tiny model.
+FAST = ["--chunk-size", "32"]
+GEN = ["--max-new-tokens", "4"]
+QUESTIONS = ["What did the harbour master count?", "Who is Ishmael?"]
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+def invoke(*args, input: str | bytes | None = None):
+    return RUNNER.invoke(app, [str(a) for a in args], input=input)
+
+
+def _show(result) -> str:
+    return (f"exit {result.exit_code}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}\n"
+            f"--- exception ---\n{result.exception!r}")
+
+
+def _no_crash(result) -> None:
+    """No exception escaped the command (CliRunner would swallow it) and nothing printed a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), _show(result)
+    assert "Traceback" not in result.stderr, _show(result)
+    assert "Traceback" not in result.stdout, _show(result)
+
+
+def assert_ok(result) -> None:
+    _no_crash(result)
+    assert result.exit_code == 0, _show(result)
+
+
+def assert_error(result, code: int, *needles: str) -> str:
+    """Exit `code`, nothing on stdout, and exactly one `error: …` line on stderr containing every needle."""
+    _no_crash(result)
+    assert result.exit_code == code, _show(result)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, _show(result)
+    assert lines[0].startswith("error: "), _show(result)
+    for needle in needles:
+        assert needle in lines[0], _show(result)
+    assert result.stdout == "", _show(result)
+    return lines[0]
+
+
+def json_out(result) -> dict:
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, _show(result)
+    return json.loads(lines[0])
+
+
+def json_lines(result) -> list[dict]:
+    assert_ok(result)
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def no_temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.name.endswith(".tmp") or ".tmp" in p.suffixes)
+
+
+def save_model(folder: Path, seed: int = 0, **config) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_llama(seed=seed, **config).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# ---- fixtures --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A tiny model gains nothing from threads, and on a busy 2-core box OpenMP spin-waits make calls 50x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def doc(work) -> Path:
+    path = work / "doc.txt"
+    path.write_text(DOC_TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return str(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compressed(work, doc, model) -> tuple[Path, dict]:
+    """The document compressed once with the tiny model (snapkv, 64 entries per head); never modify this file."""
+    out = work / "compressed" / "doc.kvc"
+    out.parent.mkdir()
+    summary = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST, "--json"))
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def other_model(work) -> str:
+    """A second tiny model: another seed and untied embeddings, so its fingerprints differ from `model`'s.
+
+    Untied embeddings also make greedy answers non-empty and dependent on the question (the default tiny model,
+    with tied embeddings, only ever repeats the newline that ends the assistant header), which the answer
+    determinism tests need to mean anything.
+    """
+    return str(save_model(work / "other-model", seed=1, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def other_compressed(work, doc, other_model) -> Path:
+    out = work / "other.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", other_model, "--budget", "64", *FAST))
+    return out
+
+
+@pytest.fixture
+def kvc_copy(compressed, tmp_path) -> Path:
+    """A private copy of the compressed file, for tests that damage it."""
+    path = tmp_path / "copy.kvc"
+    shutil.copyfile(compressed[0], path)
+    return path
+
+
+# ---- summarize -------------------------------------------------------------------------------------------------
+def test_summarize_plain_prints_the_text_and_matches_json(doc, model):
+    plain = invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN)
+    assert_ok(plain)
+    assert plain.stderr == ""  # not a terminal: no progress bar, no notes for this document
+    assert not plain.stdout.lstrip().startswith("{")
+    as_json = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json"))
+    assert plain.stdout.strip() == as_json["summary"]  # greedy: the same text both ways
+
+
+def test_summarize_json_fields(doc, model):
+    data = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json"))
+    for key in ("summary", "document", "budget_tokens", "method", "position_mode", "kept_entries", "cache_bytes"):
+        assert key in data, key
+    assert isinstance(data["summary"], str)
+    assert data["document"]["name"] == str(doc)
+    assert data["document"]["tokens"] > 64
+    assert data["budget"] == "64" and data["budget_tokens"] == 64
+    assert data["method"] == "snapkv"
+    assert data["position_mode"] == "original"
+    # 3 layers x 2 KV heads, each at most the budget after the last eviction.
+    assert 0 < data["kept_entries"] <= 3 * 2 * 64
+    assert data["cache_bytes"] > 0
+    assert 0 <= data["new_tokens"] <= 4
+
+
+def test_summarize_reads_stdin(doc, model):
+    from_stdin = json_out(invoke("summarize", "-", "--model", model, "--budget", "64", *FAST, *GEN, "--json",
+                                 input=DOC_TEXT))
+    from_file = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json"))
+    assert from_stdin["document"]["name"] == "<stdin>"
+    assert from_stdin["document"]["sha256"] == from_file["document"]["sha256"]
+    assert from_stdin["document"]["tokens"] == from_file["document"]["tokens"]
+    assert from_stdin["summary"] == from_file["summary"]
+
+
+@pytest.mark.parametrize("method", ["none", "streaming", "snapkv"])
+def test_summarize_methods(doc, model, method):
+    data = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", "--method", method, *FAST, *GEN,
+                           "--json"))
+    assert data["method"] == method
+    total = data["document"]["tokens"]
+    if method == "none":  # the full cache: every streamed token in every layer and head, budget ignored
+        assert data["budget_tokens"] is None
+        assert data["kept_entries"] > 3 * 2 * total
+    else:
+        assert data["budget_tokens"] == 64
+        assert data["kept_entries"] <= 3 * 2 * 64
+
+
+def test_summarize_prompt_changes_the_question(doc, other_model):
+    def summary(*extra):
+        return json_out(invoke("summarize", doc, "--model", other_model, "--budget", "64", *FAST, *GEN, "--json",
+                               *extra))["summary"]
+
+    default = summary()
+    asked = summary("--prompt", QUESTIONS[1])
+    assert default and asked
+    assert asked != default
+    assert summary("--prompt", QUESTIONS[1]) == asked  # and deterministic
+
+
+# ---- compress --------------------------------------------------------------------------------------------------
+def test_compress_writes_the_file_and_one_line(doc, model, tmp_path):
+    out = tmp_path / "doc.kvc"
+    result = invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST)
+    assert_ok(result)
+    assert out.is_file() and out.stat().st_size > 0
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, _show(result)
+    assert str(out) in lines[0]
+    assert no_temp_files(tmp_path) == []
+
+
+def test_compress_json_reports_the_real_file_size(compressed):
+    path, summary = compressed
+    assert summary["output"] == str(path)
+    assert summary["file_bytes"] == path.stat().st_size
+    assert summary["budget_tokens"] == 64
+    assert summary["method"] == "snapkv"
+    assert summary["kept_entries"] == 3 * 2 * 64
+
+
+def test_compress_cache_dtype_float16_about_halves_the_file(doc, model, compressed, tmp_path):
+    f32_path, f32 = compressed
+    f16_path = tmp_path / "half.kvc"
+    f16 = json_out(invoke("compress", doc, "-o", f16_path, "--model", model, "--budget", "64", *FAST,
+                          "--cache-dtype", "float16", "--json"))
+    assert f16["file_bytes"] == f16_path.stat().st_size
+    # Keys and values halve; token ids, positions and the header do not.
+    assert 0.4 * f32["file_bytes"] < f16["file_bytes"] < 0.7 * f32["file_bytes"], (f16, f32)
+    info = json_out(invoke("inspect", f16_path, "--json"))
+    assert info["metadata"]["cache_dtype"] == "float16"
+    assert_ok(invoke("ask", f16_path, QUESTIONS[0], "--model", model, *GEN))  # a float32 model reads it
+
+
+def test_compress_refuses_to_overwrite_its_input(doc, model, tmp_path, monkeypatch):
+    original = doc.read_bytes()
+    assert_error(invoke("compress", doc, "-o", doc, "--model", model, *FAST), 2, "input document")
+    assert doc.read_bytes() == original
+    # The same file spelled differently is still the input.
+    monkeypatch.chdir(doc.parent)
+    assert_error(invoke("compress", doc.name, "-o", f"./{doc.name}", "--model", model, *FAST), 2, "input document")
+    assert doc.read_bytes() == original
+
+
+def test_compress_refuses_a_directory_as_output(doc, model, tmp_path):
+    assert_error(invoke("compress", doc, "-o", tmp_path, "--model", model, *FAST), 2, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [
+        (["--budget", "abc"], 2),  # fails before the model is loaded
+        (["--chunk-size", "0"], 2),
+        (["--method", "none", "--position-mode", "compact"], 6),  # fails after the document and model are read
+    ],
+    ids=["bad-budget", "bad-chunk-size", "does-not-fit"],
+)
+def test_failed_compress_keeps_the_existing_output(doc, model, tmp_path, extra, code):
+    out = tmp_path / "keep.kvc"
+    out.write_bytes(b"previous cache bytes \x00\x01\x02")
+    before = out.read_bytes()
+    result = invoke("compress", doc, "-o", out, "--model", model, *FAST, *extra)
+    assert_error(result, code)
+    assert out.read_bytes() == before
+    assert no_temp_files(tmp_path) == []
+
+
+def test_compress_missing_document_keeps_the_existing_output(model, tmp_path):
+    out = tmp_path / "keep.kvc"
+    out.write_bytes(b"old")
+    assert_error(invoke("compress", tmp_path / "nope.txt", "-o", out, "--model", model, *FAST), 3, "nope.txt")
+    assert out.read_bytes() == b"old"
+
+
+def test_compress_overwrites_atomically_and_leaves_no_temp_files(doc, model, tmp_path):
+    out = tmp_path / "doc.kvc"
+    first = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST, "--json"))
+    second = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "32", *FAST, "--json"))
+    assert second["file_bytes"] == out.stat().st_size < first["file_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
+
+
+@pytest.mark.parametrize("how", ["interrupt", "sigterm"])
+def test_interrupted_write_keeps_the_old_file_and_no_temp_files(doc, model, tmp_path, monkeypatch, how):
+    out = tmp_path / "doc.kvc"
+    out.write_bytes(b"old cache")
+    real_fsync = os.fsync
+
+    def boom(fd):
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        # Only signal ourselves if the CLI installed its handler; the default action would kill the test run.
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", boom)
+    result = invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST)
+    monkeypatch.undo()
+    _no_crash(result)
+    assert result.exit_code == (130 if how == "interrupt" else 143), _show(result)
+    assert result.stderr.splitlines() == ["interrupted" if how == "interrupt" else "terminated"]
+    assert out.read_bytes() == b"old cache"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
+
+
+def test_compress_from_stdin(model, tmp_path):
+    out = tmp_path / "stdin.kvc"
+    data = json_out(invoke("compress", "-", "-o", out, "--model", model, "--budget", "10%", *FAST, "--json",
+                           input=DOC_TEXT))
+    assert data["document"]["name"] == "<stdin>"
+    assert out.stat().st_size == data["file_bytes"]
+
+
+# ---- ask -------------------------------------------------------------------------------------------------------
+def test_ask_answers_from_the_cache(compressed, model):
+    result = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN)
+    assert_ok(result)
+    assert result.stderr == ""
+
+
+def test_ask_json_fields(compressed, model):
+    data = json_out(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN, "--json"))
+    assert data["question"] == QUESTIONS[0]
+    assert isinstance(data["answer"], str)
+    assert data["first_token_seconds"] >= 0
+    assert 0 <= data["new_tokens"] <= 4
+
+
+def test_ask_questions_from_stdin_one_json_line_each(compressed, model):
+    questions = ["First question?", "Second question?", "Third question?"]
+    rows = json_lines(invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json",
+                             input="\n".join(questions) + "\n\n"))
+    assert [row["question"] for row in rows] == questions
+    assert all({"question", "answer", "first_token_seconds"} <= set(row) for row in rows)
+
+
+@pytest.mark.parametrize("stdin", ["", "\n  \n\t\n"], ids=["empty", "blank-lines"])
+def test_ask_empty_stdin_is_a_usage_error(compressed, model, stdin):
+    assert_error(invoke("ask", compressed[0], "-", "--model", model, *GEN, input=stdin), 2, "standard input")
+
+
+def test_ask_empty_question_is_a_usage_error(compressed, model):
+    assert_error(invoke("ask", compressed[0], "  ", "--model", model, *GEN), 2, "question")
+
+
+def test_ask_is_deterministic_and_leaves_the_cache_unchanged(other_compressed, other_model):
+    """Greedy answers from one load of the cache: asking does not change what later questions see."""
+    a, b = QUESTIONS
+    rows = json_lines(invoke("ask", other_compressed, "-", "--model", other_model, *GEN, "--json",
+                             input=f"{a}\n{b}\n{a}\n"))
+    answers = [row["answer"] for row in rows]
+    assert answers[0], "the untied tiny model should say something"
+    assert answers[0] != answers[1], "answers must depend on the question for this test to mean anything"
+    assert answers[2] == answers[0]
+    # A fresh run that asks only the second question agrees with the answer given after the first.
+    alone = json_out(invoke("ask", other_compressed, b, "--model", other_model, *GEN, "--json"))
+    assert alone["answer"] == answers[1]
+
+
+@pytest.mark.parametrize("method", ["none", "snapkv"])
+def test_saved_cache_answers_like_the_in_memory_one(doc, other_model, tmp_path, method):
+    """compress + ask must give what summarize --prompt gives from the same read: the file round trip is exact."""
+    out = tmp_path / f"{method}.kvc"
+    args = ["--model", other_model, "--budget", "64", "--method", method, *FAST]
+    assert_ok(invoke("compress", doc, "-o", out, *args))
+    asked = json_out(invoke("ask", out, QUESTIONS[0], "--model", other_model, *GEN, "--json"))
+    direct = json_out(invoke("summarize", doc, *args, *GEN, "--prompt", QUESTIONS[0], "--json"))
+    assert asked["answer"] == direct["summary"]
+    assert asked["answer"]
+
+
+def test_ask_with_another_model_is_refused(compressed, other_compressed, model, other_model):
+    line = assert_error(invoke("ask", compressed[0], QUESTIONS[0], "--model", other_model, *GEN), 4,
+                        str(compressed[0]))
+    assert "model" in line
+    assert_error(invoke("ask", other_compressed, QUESTIONS[0], "--model", model, *GEN), 4, str(other_compressed))
+
+
+def test_ask_after_the_model_weights_changed_is_refused(doc, work, tmp_path):
+    """Same folder, same config and tokenizer, new weights (e.g. a retrained checkpoint): the weights fingerprint
+    must catch it."""
+    folder = save_model(work / "retrained", seed=0)
+    out = tmp_path / "before.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", folder, "--budget", "64", *FAST))
+    save_model(folder, seed=2)
+    cli._session.cache_clear()  # a new `klevict` process would load the folder afresh
+    try:
+        assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights differ")
+    finally:
+        cli._session.cache_clear()
+
+
+def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
+    assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model + "/", *GEN))
+
+
+def test_truncated_file_is_refused(kvc_copy, model):
+    data = kvc_copy.read_bytes()
+    kvc_copy.write_bytes(data[: len(data) // 2])
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, "truncated")
+    kvc_copy.write_bytes(data[:5])
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, str(kvc_copy))
+
+
+def test_file_with_a_flipped_byte_is_refused(kvc_copy, model):
+    data = bytearray(kvc_copy.read_bytes())
+    data[-100] ^= 0x01  # inside the tensor data, past the header
+    kvc_copy.write_bytes(bytes(data))
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, "checksum")
+
+
+def test_random_bytes_are_refused(tmp_path, model):
+    path = tmp_path / "random.kvc"
+    path.write_bytes(random.Random(0).randbytes(4096))
+    assert_error(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN), 4, str(path))
+
+
+def test_missing_cache_file_is_refused(tmp_path, model):
+    path = tmp_path / "missing.kvc"
+    assert_error(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN), 4, "no such file")
+
+
+def test_directory_as_cache_file_is_refused(tmp_path, model):
+    assert_error(invoke("ask", tmp_path, QUESTIONS[0], "--model", model, *GEN), 4, str(tmp_path))
+
+
+# ---- inspect ---------------------------------------------------------------------------------------------------
+def test_inspect_table(compressed):
+    result = invoke("inspect", compressed[0])
+    assert_ok(result)
+    assert "kept entries per layer" in result.stdout
+    assert "snapkv" in result.stdout
+    assert "64" in result.stdout
+
+
+def test_inspect_json(compressed):
+    path, summary = compressed
+    info = json_out(invoke("inspect", path, "--json"))
+    assert info["file_bytes"] == path.stat().st_size
+    assert info["metadata"]["method"] == "snapkv"
+    per_layer = info["kept_per_layer"]
+    assert len(per_layer) == 3  # one list per layer
+    assert all(len(heads) == 2 for heads in per_layer)  # one count per KV head
+    assert all(0 < n <= 64 for heads in per_layer for n in heads)
+    assert sum(map(sum, per_layer)) == summary["kept_entries"]
+    assert info["kv_bytes_kept"] < info["kv_bytes_full"]
+    assert info["tokens"] == int(info["metadata"]["next_position"])
+    assert 64 <= info["tokens_kept_anywhere"] <= info["tokens"]
+
+
+def test_inspect_full_cache_keeps_everything(doc, model, tmp_path):
+    out = tmp_path / "full.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", model, "--method", "none", *FAST))
+    info = json_out(invoke("inspect", out, "--json"))
+    assert info["kv_bytes_kept"] == info["kv_bytes_full"]
+    assert info["tokens_kept_anywhere"] == info["tokens"]
+    assert all(n == info["tokens"] for heads in info["kept_per_layer"] for n in heads)
+
+
+def test_inspect_text_shows_the_document(compressed):
+    result = invoke("inspect", compressed[0], "--text")
+    assert_ok(result)
+    assert "Ishmael" in result.stdout
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "random"])
+def test_inspect_bad_files(kvc_copy, damage):
+    if damage == "missing":
+        kvc_copy.unlink()
+    elif damage == "truncated":
+        kvc_copy.write_bytes(kvc_copy.read_bytes()[:200])
+    else:
+        kvc_copy.write_bytes(random.Random(1).randbytes(1000))
+    assert_error(invoke("inspect", kvc_copy), 4, str(kvc_copy))
+
+
+# ---- budgets ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("budget", "shown"), [("5%", "5%"), ("0.05", "5%"), ("64", "64"), ("2k", "2048")],
+)
+def test_budget_forms_accepted(doc, model, budget, shown):
+    data = json_out(invoke("summarize", doc, "--model", model, "--budget", budget, *FAST, "--max-new-tokens", "0",
+                           "--json"))
+    assert data["budget"] == shown
+    if shown == "2048":  # more than the document: everything is kept
+        assert data["budget_tokens"] is None
+    elif shown == "64":
+        assert data["budget_tokens"] == 64
+    else:
+        assert 1 <= data["budget_tokens"] < data["document"]["tokens"] * 0.06 + 2
+
+
+@pytest.mark.parametrize("budget", ["0", "0%", "150%", "abc", "-5%", "1.5", "nan", "1e3", ""])
+def test_budget_rejected(doc, model, budget):
+    assert_error(invoke("summarize", doc, "--model", model, "--budget", budget, *FAST, *GEN), 2, "--budget")
+
+
+def test_bad_budget_from_config_is_rejected(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text("budget: 150%\n")
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "--budget")
+
+
+# ---- documents -------------------------------------------------------------------------------------------------
+def test_missing_document(model, tmp_path):
+    path = tmp_path / "missing.txt"
+    assert_error(invoke("summarize", path, "--model", model, *FAST, *GEN), 3, str(path))
+
+
+@pytest.mark.parametrize("content", [b"", b"   \n\n\t  \n"], ids=["empty", "whitespace"])
+def test_empty_document(model, tmp_path, content):
+    path = tmp_path / "empty.txt"
+    path.write_bytes(content)
+    assert_error(invoke("summarize", path, "--model", model, *FAST, *GEN), 3, "empty")
+
+
+def test_empty_stdin_document(model):
+    assert_error(invoke("summarize", "-", "--model", model, *FAST, *GEN, input=""), 3, "<stdin>")
+
+
+def test_binary_document(model, tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 4)
+    assert_error(invoke("summarize", path, "--model", model, *FAST, *GEN), 3, "binary")
+    assert_error(invoke("compress", path, "-o", tmp_path / "x.kvc", "--model", model, *FAST), 3, "binary")
+    assert not (tmp_path / "x.kvc").exists()
+
+
+def test_directory_as_document(model, tmp_path):
+    assert_error(invoke("summarize", tmp_path, "--model", model, *FAST, *GEN), 3, "directory")
+
+
+# ---- options and config ----------------------------------------------------------------------------------------
+def test_unknown_method_lists_the_valid_ones(doc, model):
+    line = assert_error(invoke("summarize", doc, "--model", model, "--method", "foo", *FAST, *GEN), 2, "--method",
+                        "foo")
+    for name in ("none", "streaming", "snapkv"):
+        assert name in line
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_chunk_size_must_be_positive(doc, model, value):
+    assert_error(invoke("summarize", doc, "--model", model, "--chunk-size", value, *GEN), 2, "--chunk-size")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--position-mode", "sideways"), ("--top-p", "0"), ("--temperature", "-1"), ("--max-new-tokens", "-1"),
+     ("--probe-window", "0")],
+)
+def test_other_bad_option_values(doc, model, option, value):
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
+
+
+def test_bad_cache_dtype(doc, model, tmp_path):
+    assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--cache-dtype", "int8"), 2,
+                 "--cache-dtype", "float16")
+
+
+def test_config_file_is_honoured_and_the_command_line_wins(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text("budget: 64\nmethod: streaming\nchunk-size: 32\nmax_new_tokens: 2\n")
+    base = ["summarize", doc, "--model", model, "--config", config, "--json"]
+    data = json_out(invoke(*base))
+    assert (data["method"], data["budget"], data["budget_tokens"]) == ("streaming", "64", 64)
+    assert data["new_tokens"] <= 2
+    data = json_out(invoke(*base, "--method", "snapkv", "--budget", "32"))
+    assert (data["method"], data["budget"], data["budget_tokens"]) == ("snapkv", "32", 32)
+
+
+def test_config_applies_to_ask(compressed, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text(f"model: {model}\nmax-new-tokens: 1\njson: true\n")
+    data = json_out(invoke("ask", compressed[0], QUESTIONS[0], "--config", config))
+    assert data["new_tokens"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("budget: 64\nbudjet: 5%\n", "budjet"), ("chunk_size: lots\n", "chunk_size"), ("- a\n- b\n", "mapping"),
+     ("budget: [1, 2\n", "YAML")],
+    ids=["unknown-key", "wrong-type", "not-a-mapping", "malformed"],
+)
+def test_bad_config(doc, model, tmp_path, text, needle):
+    config = tmp_path / "klevict.yaml"
+    config.write_text(text)
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, needle, str(config))
+
+
+def test_missing_config(doc, model, tmp_path):
+    config = tmp_path / "nope.yaml"
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, str(config))
+
+
+def test_config_output_is_honoured(doc, model, tmp_path):
+    out = tmp_path / "from-config.kvc"
+    config = tmp_path / "klevict.yaml"
+    config.write_text(f"output: {out}\nbudget: 64\nchunk_size: 32\n")
+    assert_ok(invoke("compress", doc, "--model", model, "--config", config))
+    assert out.is_file()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--chunk-size", "abc"], ["--bogus"]],
+    ids=["non-integer", "unknown-option"],
+)
+def test_parse_errors_are_one_line(doc, model, args):
+    assert_error(invoke("summarize", doc, "--model", model, *args), 2)
+
+
+def test_full_cache_in_compact_mode_message_is_truthful(doc, model):
+    result = invoke("summarize", doc, "--model", model, "--method", "none", "--position-mode", "compact", *FAST, *GEN)
+    line = assert_error(result, 6)
+    assert "longer than" not in line, line
+
+
+def test_questions_do_not_pile_up_hooks_on_the_model(compressed, model):
+    assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN))
+    session = cli._session(model, "cpu", "float32", True)
+    norm = session.adapter.final_norm
+    before = len(norm._forward_pre_hooks)
+    assert_ok(invoke("ask", compressed[0], "-", "--model", model, *GEN, input="a\nb\nc\nd\ne\n"))
+    assert cli._session(model, "cpu", "float32", True) is session
+    assert len(norm._forward_pre_hooks) == before
+
+
+# ---- version and help ------------------------------------------------------------------------------------------
+def test_version():
+    result = invoke("--version")
+    assert_ok(result)
+    assert result.stdout.strip() == f"klevict {__version__}"
+
+
+def test_help_lists_the_exit_codes():
+    result = invoke("--help")
+    assert_ok(result)
+    text = " ".join(result.stdout.split())
+    assert "Exit codes" in text
+    for entry in ("0 ok", "1 unexpected error", "2 bad option", "3 unreadable document", "4 bad .kvc file",
+                  "5 model cannot be loaded", "6 does not fit", "130 interrupted", "143 terminated"):
+        assert entry in text, entry
+    for command in ("summarize", "compress", "ask", "inspect"):
+        assert command in text
+
+
+def test_no_arguments_shows_help():
+    result = invoke()
+    assert "summarize" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
