@@ -40,6 +40,7 @@ class ForwardContext:
     probe_rows: int = 0
     probes: dict[int, LayerProbe] = field(default_factory=dict)
     residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
+    captured: dict[int, torch.Tensor] | None = None  # head outputs kept in the autograd graph (Fisher re-runs)
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
@@ -75,6 +76,8 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (1, Hq, T, Dv)
+    if ctx.captured is not None:
+        ctx.captured[layer_idx] = out
     if ctx.probe_rows:
         w = min(ctx.probe_rows, query.shape[2])
         q = query[0, :, -w:]

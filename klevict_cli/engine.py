@@ -17,6 +17,7 @@ from klevict_cli.adapters import ModelAdapter
 from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache
 from klevict_cli.errors import ResourceError
+from klevict_cli.fisher import FrozenCache, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
 
 POSITION_MODES = ("auto", "original", "compact")
@@ -140,7 +141,8 @@ class Engine:
             )
         stream.tokens.extend(ids)
         stream.next_rope += t
-        return out.logits[0].float(), ctx
+        logits = out.logits[0]
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)), ctx
 
     # ---- reading with eviction -----------------------------------------------------------------------------
     def feed(
@@ -170,32 +172,43 @@ class Engine:
     def _scored_layers(self, stream: Stream) -> dict:
         return {i: layer for i, layer in enumerate(stream.cache.layers) if layer.window is None}
 
+    def held_per_head(self, stream: Stream) -> float:
+        """Entries held per KV head, on average over the scored (non-sliding) layers."""
+        layers = self._scored_layers(stream).values()
+        heads = sum(layer.keys.shape[0] for layer in layers)
+        return sum(int(layer.valid.sum()) for layer in layers) / max(heads, 1)
+
     def _over_budget(self, stream: Stream, incoming: int) -> bool:
-        """Evict after this chunk if the scored layers would hold more than `budget` entries per head in total
-        (sliding-window layers are trimmed after every chunk regardless)."""
+        """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than `budget` entries
+        per head in total (sliding-window layers are trimmed after every chunk regardless)."""
         if self.budget is None:
             return False
         if any(layer.window is not None for layer in stream.cache.layers):
             return True
-        layers = self._scored_layers(stream).values()
-        heads = sum(layer.keys.shape[0] for layer in layers)
-        held = sum(int(layer.valid.sum()) for layer in layers)
-        return held + incoming * heads > self.budget * heads
+        return self.held_per_head(stream) + incoming > self.budget
+
+    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int) -> EvictionStep:
+        """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
+        return EvictionStep(
+            cache=stream.cache,
+            adapter=self.adapter,
+            probes=ctx.probes,
+            probe_positions=torch.arange(stream.next_position - w, stream.next_position, device=self.device),
+            residuals=ctx.residuals,
+            logits=logits[-w:] if ctx.probe_rows else None,
+            generator=self.generator,
+            backward=lambda samples: head_output_gradients(
+                self.model, stream.cache, stream.tokens[-w:],
+                torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator,
+            ),
+        )
 
     @torch.inference_mode()
     def evict(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int) -> None:
         """Bring the cache back within budget: sliding layers to their window, the others by policy score;
         the `recent` last tokens are always kept."""
         w = min(recent, stream.next_position)
-        step = EvictionStep(
-            cache=stream.cache,
-            adapter=self.adapter,
-            probes=ctx.probes,
-            probe_positions=torch.arange(stream.next_position - w, stream.next_position, device=self.device),
-            residuals=ctx.residuals,
-            logits=logits if ctx.probe_rows else None,
-            generator=self.generator,
-        )
+        step = self.eviction_step(stream, ctx, logits, w)
         for layer in stream.cache.layers:
             if layer.window is not None:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
@@ -215,6 +228,19 @@ class Engine:
                 scored[i].keep(mask)
         if self.mode == "compact":
             self.compact(stream)
+
+    @torch.inference_mode()
+    def probe_again(self, stream: Stream, w: int) -> tuple[torch.Tensor, ForwardContext]:
+        """Re-run the last `w` tokens against the cache as it stands (their entries are already in it) to record
+        probe statistics — used during decoding, where tokens arrive one at a time."""
+        rope = torch.arange(stream.next_rope - w, stream.next_rope, device=self.device)
+        ctx = ForwardContext(FrozenCache(stream.cache), rope, probe_rows=w)
+        with forward_context(ctx):
+            out = self.model(
+                input_ids=torch.tensor([stream.tokens[-w:]], device=self.device), position_ids=rope[None],
+                cache=ctx.cache, use_cache=True, logits_to_keep=w,
+            )
+        return out.logits[0].float(), ctx
 
     def compact(self, stream: Stream) -> None:
         """Re-rotate every head's kept keys to consecutive positions ending just before the next token."""
@@ -237,15 +263,23 @@ class Engine:
         stop_ids: set[int],
         temperature: float = 0.0,
         top_p: float = 1.0,
+        slack: int = 64,
     ) -> Iterator[int]:
-        """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0."""
+        """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0. With a budget, the cache
+        is re-compressed whenever it exceeds the budget by `slack` entries per head, the latest tokens as probes."""
         logits = self.feed(stream, prompt_ids, evict=False)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             token = sample(logits, temperature, top_p, self.generator)
             if token in stop_ids:
                 return
             yield token
+            if i == max_new_tokens - 1:
+                return  # nothing more to predict: don't pay for a forward of the last token
             logits = self.forward(stream, [token])[0][-1]
+            if self.budget is not None and self.held_per_head(stream) > self.budget + slack:
+                recent = self.recent_window(slack)
+                probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
+                self.evict(stream, ctx, probe_logits, recent)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -6,6 +6,7 @@ keep-set within the budget. Policies never touch the cache or the model: the eng
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class EvictionStep:
     residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
     logits: torch.Tensor | None = None  # (W, vocab) at the probes
     generator: torch.Generator | None = None
+    backward: Callable[[int], dict[int, torch.Tensor]] | None = None  # S samples -> per layer (W, S, Hq, Dv) grads
 
 
 class Policy:

@@ -1,0 +1,100 @@
+"""How well does the KL estimator rank cache entries against the true leave-one-out KL (float64 oracle)?
+
+For a few windows of a long text: read `--context` tokens with the full cache, then one more chunk whose last 32
+tokens are the probes; score every entry with the direct path (with and without calibration) and the Fisher path,
+and compare against the oracle on sampled entries at a few layers (Spearman rank correlation, and magnitude ratio).
+
+    python examples/oracle_check.py ../shared/data/moby-dick.txt --windows 3 --layers 2,15,28
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+import torch
+
+from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.documents import load_document
+from klevict_cli.engine import Engine
+from klevict_cli.models import load_model
+from klevict_cli.oracle import float64_copy, leave_one_out_kl
+from klevict_cli.policies.kl import KL, calibration_ratios
+from klevict_cli.session import Session
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra, rb = a.double().argsort().argsort().double(), b.double().argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--context", type=int, default=1536)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--layers", default="2,15,28")
+    parser.add_argument("--entries", type=int, default=48, help="sampled entries per layer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    session = Session(load_model(args.model, attn_implementation=ATTENTION_NAME, quiet=True))
+    model = session.lm.model
+    model64 = float64_copy(model)
+    ids = session.lm.tokenizer(load_document(args.file).text, add_special_tokens=False)["input_ids"]
+    layers = [int(x) for x in args.layers.split(",")]
+    w = 32
+    rows = []
+    for window in range(args.windows):
+        start = rng.randrange(0, len(ids) - args.context - args.chunk)
+        text = ids[start : start + args.context + args.chunk]
+        engine = Engine(model, session.adapter, KL(), budget=None, chunk_size=args.chunk, probe_window=w)
+        stream = engine.new_stream()
+        engine.feed(stream, text[: args.context])
+        with torch.inference_mode():
+            logits, ctx = engine.forward(stream, text[args.context :], probe_rows=w)
+            step = engine.eviction_step(stream, ctx, logits, w)
+            direct = KL(calibrate=False).direct_scores(step, layers)
+            fisher16 = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
+            fisher4 = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
+            calibrated = {i: direct[i] * r[:, None] for i, r in calibration_ratios(direct, fisher4, step).items()}
+        for layer in layers:
+            cache_layer = stream.cache.layers[layer]
+            candidates = [(h, c) for h in range(cache_layer.keys.shape[0])
+                          for c in range(cache_layer.capacity - w) if cache_layer.valid[h, c]]
+            entries = [(layer, h, c) for h, c in rng.sample(candidates, min(args.entries, len(candidates)))]
+            truth = leave_one_out_kl(model64, stream, w, entries)
+            row = {"window": window, "offset": start, "layer": layer}
+            for name, scores in (("direct", direct), ("direct_calibrated", calibrated), ("fisher4", fisher4),
+                                 ("fisher16", fisher16)):
+                estimate = torch.stack([scores[layer][h, c] for _, h, c in entries])
+                row[name] = {"spearman": spearman(estimate, truth), "ratio": float(estimate.sum() / truth.sum())}
+            rows.append(row)
+            print(json.dumps(row))
+    summary = {}
+    for name in ("direct", "direct_calibrated", "fisher4", "fisher16"):
+        for layer in layers:
+            vals = [r[name]["spearman"] for r in rows if r["layer"] == layer]
+            ratios = [r[name]["ratio"] for r in rows if r["layer"] == layer]
+            summary[f"{name}@{layer}"] = {"spearman_mean": statistics.mean(vals), "spearman_min": min(vals),
+                                          "ratio_mean": statistics.mean(ratios)}
+    print("\n| estimator | " + " | ".join(f"layer {x}" for x in layers) + " |")
+    print("|---|" + "---|" * len(layers))
+    for name in ("direct", "direct_calibrated", "fisher4", "fisher16"):
+        cells = [f"{summary[f'{name}@{x}']['spearman_mean']:.3f} (×{summary[f'{name}@{x}']['ratio_mean']:.2f})"
+                 for x in layers]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "rows": rows, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

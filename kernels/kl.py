@@ -1,0 +1,85 @@
+"""The KL estimator's math (DESIGN §3), vectorised over heads, probes and cache entries.
+
+Removing cached entry j from head h's softmax changes that head's output at probe t by exactly
+    Δo_thj = a/(1-a) · (o_th - v_j)                                   (a = a_thj, the attention weight)
+The next-token distribution at t then moves by KL ≈ ½ Δoᵀ G_t Δo for a metric G_t on the head outputs. Both
+propagations factor G_t = Σ_r e_tr e_trᵀ with a few "readout" vectors e_tr per probe and query head:
+  * direct: e = rows of √F_t·U_k·J_norm(x_t) mapped through W_O (final-norm Jacobian + unembedding, top-k tokens);
+  * fisher: e = ∂ log p_t(y)/∂o for sampled labels y (a backward pass through all later layers), divided by √S.
+So the score of j (summed over probes, query heads of its KV group folded *before* squaring) is
+    score_j = ½ Σ_t Σ_r ( Σ_{h∈g} a/(1-a) · e_trh·(o_th - v_j) )²
+which needs e·o (cheap) and e·v_j — one batched matmul per layer, never a (probes × entries × dim) tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def removal_coefficients(weights: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:
+    """a/(1-a): how strongly removing an entry moves the head output towards the others. (Hq, W, C)"""
+    return weights / (1.0 - weights).clamp_min(clamp)
+
+
+def kl_scores(
+    weights: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor, readout: torch.Tensor, kv_heads: int,
+    clamp: float = 1e-6,
+) -> torch.Tensor:
+    """Estimated KL (nats) of removing each cached entry, summed over probes.
+
+    weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv);
+    readout (W, R, Hq, Dv) metric factors in head-output space. Returns (H_kv, C).
+    """
+    hq, w, c = weights.shape
+    r = readout.shape[1]
+    groups = hq // kv_heads
+    dtype = readout.dtype
+    coef = removal_coefficients(weights.to(dtype), clamp)  # (Hq, W, C)
+    e = readout.permute(2, 0, 1, 3).reshape(hq, w * r, -1)  # (Hq, W·R, Dv)
+    e_o = torch.einsum("hwrd,hwd->hwr", e.view(hq, w, r, -1), outputs.to(dtype))  # (Hq, W, R)
+    v = values.to(dtype).repeat_interleave(groups, dim=0)  # (Hq, C, Dv)
+    e_v = torch.bmm(e, v.transpose(1, 2)).view(hq, w, r, c)  # (Hq, W, R, C)
+    y = coef[:, :, None, :] * (e_o[..., None] - e_v)  # (Hq, W, R, C)
+    y = y.view(kv_heads, groups, w, r, c).sum(dim=1)  # fold the group before squaring
+    return 0.5 * y.square().sum(dim=(1, 2))
+
+
+def direct_readout(
+    residuals: torch.Tensor, logits: torch.Tensor, norm_jacobian: torch.Tensor, unembedding: torch.Tensor,
+    top_k: int = 64, rank: int = 8,
+) -> torch.Tensor:
+    """Per-probe factors of the direct-path metric on the final residual stream. Returns (W, rank, d).
+
+    With p the probe's next-token distribution restricted to its top-k tokens, the second-order KL of a logit change
+    δz is ½ Var_p(δz) = ½ ‖diag(√p)(I - 1pᵀ) δz‖²; δz = U_k J δr. The top `rank` right singular vectors of
+    R = diag(√p)(I - 1pᵀ) U_k J (scaled by their singular values) factor that metric; the rest is negligible
+    because p is concentrated.
+    """
+    w = residuals.shape[0]
+    p_full = logits.double().softmax(dim=-1)
+    p, top = p_full.topk(min(top_k, p_full.shape[-1]), dim=-1)  # (W, k)
+    u = unembedding.double()[top]  # (W, k, d)
+    centred = u - torch.einsum("wk,wkd->wd", p, u)[:, None, :]  # (I - 1pᵀ) U_k
+    r_mat = p.sqrt()[..., None] * torch.bmm(centred, norm_jacobian.double())  # (W, k, d)
+    _, s, vh = torch.linalg.svd(r_mat, full_matrices=False)
+    rank = min(rank, s.shape[-1])
+    return (s[:, :rank, None] * vh[:, :rank, :]).to(torch.float32).reshape(w, rank, -1)
+
+
+def to_head_space(factors: torch.Tensor, o_proj_weight: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """Map residual-space factors (W, R, d) through a layer's output projection W_O (d, Hq·Dv): (W, R, Hq, Dv)."""
+    w, r, _ = factors.shape
+    e = factors.reshape(w * r, -1) @ o_proj_weight.to(factors.dtype)
+    return e.view(w, r, query_heads, -1)
+
+
+def norm_jacobian(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(W, d, d) Jacobians of the final norm at each probe's residual (RMSNorm, Gemma's (1+γ) RMSNorm, LayerNorm:
+    whatever the module computes), by forward-mode autodiff."""
+    x = x.detach().float().clone()
+
+    def f(row: torch.Tensor) -> torch.Tensor:
+        return norm(row[None, None].to(next(norm.parameters()).dtype))[0, 0].float()
+
+    with torch.inference_mode(False):
+        return torch.func.vmap(torch.func.jacfwd(f))(x.clone()).detach()

@@ -1,0 +1,86 @@
+"""`kl`: evict the entries whose removal changes the next-token distribution least (DESIGN §3).
+
+Scores are estimated KL divergences in nats (kernels/kl.py), so they are comparable across layers and heads and the
+budget is allocated globally by one top-k. Two propagations from a layer's head outputs to the logits:
+  * `direct` — the final-norm Jacobian and the unembedding of the probe's top-k tokens, as if the residual change
+    passed straight to the last layer. Cheap (no backward); ranks well inside a layer, but its magnitudes drift
+    across layers because it ignores what later layers do. So it is calibrated: at the first eviction a few
+    Fisher samples give, per layer, the typical ratio of the full-path to the direct-path KL, and every direct
+    score of that layer is multiplied by it.
+  * `fisher` — gradients of sampled labels' log-probabilities through all later layers (klevict_cli/fisher.py)
+    at every eviction: the most faithful, and the most expensive.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.kl import direct_readout, kl_scores, norm_jacobian, to_head_space
+from klevict_cli.policies.base import EvictionStep, Policy
+
+
+class KL(Policy):
+    name = "kl"
+    needs_probes = True
+
+    def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
+                 samples: int = 4, calibrate: bool = True):
+        self.propagation = propagation
+        self.allocation = allocation
+        self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
+        self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
+
+    def params(self) -> dict[str, str]:
+        return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
+                "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower()}
+
+    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
+        return self.score_layers(step, [layer_idx])[layer_idx]
+
+    def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+        if self.propagation == "fisher":
+            return self.fisher_scores(step, layer_ids)
+        scores = self.direct_scores(step, layer_ids)
+        if self.calibrate and self.calibration is None:
+            self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step)
+        if self.calibration is not None:
+            scores = {i: s * self.calibration[i][:, None] for i, s in scores.items()}
+        return scores
+
+    def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+        adapter = step.adapter
+        jac = norm_jacobian(adapter.final_norm, step.residuals)
+        factors = direct_readout(step.residuals, step.logits, jac, adapter.unembedding.weight, self.top_k, self.rank)
+        out = {}
+        for i in layer_ids:
+            probe, layer = step.probes[i], step.cache.layers[i]
+            readout = to_head_space(factors, adapter.output_projection(i).weight, probe.output.shape[0])
+            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
+        return out
+
+    def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+        grads = step.backward(self.samples)
+        out = {}
+        for i in layer_ids:
+            probe, layer = step.probes[i], step.cache.layers[i]
+            readout = grads[i].to(probe.output.dtype) / math.sqrt(self.samples)
+            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
+        return out
+
+
+def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep
+                       ) -> dict[int, torch.Tensor]:
+    """Per layer, the median over evictable entries (not the probes) of fisher / direct score.
+
+    The direct path's error is what the layers after l do to the residual change; that is common to every head of
+    layer l, so one factor per layer. A median, because per-entry Fisher estimates from a few samples are noisy and
+    the scores are heavy-tailed (a ratio of sums would be decided by a handful of entries)."""
+    ratios = {}
+    for i, d in direct.items():
+        layer = step.cache.layers[i]
+        candidates = layer.valid & (layer.positions < int(step.probe_positions[0])) & (d > 0)
+        ratio = (fisher[i][candidates] / d[candidates]).median() if candidates.any() else torch.tensor(1.0)
+        ratios[i] = ratio.expand(d.shape[0]).to(d.dtype)
+    return ratios
