@@ -9,7 +9,7 @@ function (attention.py) reads `valid` and the positions to build the mask itself
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class LayerCache:
     rope_positions: torch.Tensor  # (H, C) int64 positions the keys are rotated at
     valid: torch.Tensor  # (H, C) bool
     window: int | None = None  # sliding-window layers keep their window and are never scored
+    # Per-entry state a policy keeps across evictions (e.g. h2o's accumulated attention): name -> (H, C) tensor.
+    # New entries start at zero; eviction, truncation and cloning carry it along with the entries.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, shape: LayerShape, device, dtype) -> LayerCache:
@@ -52,6 +55,14 @@ class LayerCache:
         self.positions = torch.cat((self.positions, positions.expand(h, t)), dim=1)
         self.rope_positions = torch.cat((self.rope_positions, rope_positions.expand(h, t)), dim=1)
         self.valid = torch.cat((self.valid, torch.ones(h, t, dtype=torch.bool, device=self.valid.device)), dim=1)
+        for name, extra in self.extras.items():
+            self.extras[name] = torch.cat((extra, extra.new_zeros(h, t)), dim=1)
+
+    def extra(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (H, C) per-entry tensor `name`, created as zeros on first use."""
+        if name not in self.extras:
+            self.extras[name] = torch.zeros(self.valid.shape, dtype=dtype, device=self.valid.device)
+        return self.extras[name]
 
     def keep(self, mask: torch.Tensor) -> None:
         """Keep only the entries where `mask` (H, C) is true, re-packed to the left in their original order."""
@@ -64,21 +75,24 @@ class LayerCache:
         self.values = self.values.gather(1, order[..., None].expand(-1, -1, self.values.shape[-1]))
         self.positions = self.positions.gather(1, order)
         self.rope_positions = self.rope_positions.gather(1, order)
+        extras = {name: extra.gather(1, order) for name, extra in self.extras.items()}
         self.valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
         self.positions = self.positions.masked_fill(~self.valid, -1)
         self.rope_positions = self.rope_positions.masked_fill(~self.valid, -1)
         self.keys = self.keys.masked_fill(~self.valid[..., None], 0)
         self.values = self.values.masked_fill(~self.valid[..., None], 0)
+        self.extras = {name: extra.masked_fill(~self.valid, 0) for name, extra in extras.items()}
 
     def truncate(self, capacity: int) -> None:
         """Drop everything appended after `capacity` columns (used to answer many questions from one cache)."""
         for name in ("keys", "values", "positions", "rope_positions", "valid"):
             setattr(self, name, getattr(self, name)[:, :capacity])
+        self.extras = {name: extra[:, :capacity] for name, extra in self.extras.items()}
 
     def clone(self) -> LayerCache:
         return LayerCache(
             self.keys.clone(), self.values.clone(), self.positions.clone(), self.rope_positions.clone(),
-            self.valid.clone(), self.window,
+            self.valid.clone(), self.window, {name: extra.clone() for name, extra in self.extras.items()},
         )
 
     def nbytes(self) -> int:

@@ -42,7 +42,7 @@ out = Console(highlight=False, soft_wrap=True)
 DEFAULTS: dict[str, Any] = {
     "model": None,
     "budget": "10%",
-    "method": "snapkv",
+    "method": "kl",
     "chunk_size": 512,
     "device": "cpu",
     "dtype": "float32",
@@ -64,7 +64,7 @@ ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged al
                                                "a local HF folder, a .gguf file or a hub id.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
                                                 "2k (=2048). Default 10%.")]
-MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default snapkv; none = full "
+MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default kl; none = full "
                                                 "cache).")]
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
@@ -243,7 +243,7 @@ def summarize(
     session, result = read_document(opts, file)
     gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
     answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
-                            seed=opts["seed"])
+                            seed=opts["seed"], method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
         emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
                    "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
@@ -310,7 +310,9 @@ def ask(
     stream, meta = session.load(cache_file)
     gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
     for i, q in enumerate(questions):
-        answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"])
+        budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
+        answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"],
+                                method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:
             emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
                        "first_token_seconds": round(answer["first_token_seconds"], 4),
@@ -346,6 +348,56 @@ def inspect(
     from klevict_cli.report import inspect_file
 
     inspect_file(cache_file, text=text, as_json=bool(json_out), console=out)
+
+
+@app.command()
+@handle_errors
+def bench(
+    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods, or all (every method but "
+                                         "none, which is always measured as the reference).")] = "all",
+    budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated budgets, each a fraction of --context "
+                                         "(20%) or a token count.")] = "20%,10%,5%,2%",
+    windows: Annotated[int, typer.Option("--windows", help="Document windows (and needle haystacks) to measure."
+                                         )] = 8,
+    context: Annotated[int, typer.Option("--context", help="Tokens read (and compressed) per window.")] = 4096,
+    continuation: Annotated[int, typer.Option("--continuation", help="Tokens teacher-forced after the context."
+                                              )] = 256,
+    task: Annotated[str, typer.Option("--task", help="fidelity (KL, top-1, perplexity, cost), needle (retrieval "
+                                      "of inserted facts) or both.")] = "fidelity",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw per-window number and the "
+                                                   "settings to this file.")] = None,
+    model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    seed: SeedOpt = None, probe_window: ProbeOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+):
+    """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
+    from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
+    from klevict_cli.documents import load_document
+    from klevict_cli.policies import POLICIES
+
+    opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
+                           probe_window=probe_window, quiet=quiet)
+    for name, value in (("windows", windows), ("context", context), ("continuation", continuation)):
+        check_positive_int(name, value)
+    check_choice("task", task, TASKS)
+    settings = BenchSettings(
+        methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
+        context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
+        probe_window=opts["probe_window"], task=task,
+    )
+    if json_path is not None and json_path.is_dir():
+        raise UsageError(f"--json {json_path} is a directory")
+    document = load_document(file)
+    session = session_for(opts)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, transient=True, disable=opts["quiet"] or not err.is_terminal) as bar:
+        job = bar.add_task("bench", total=None)
+        result = run_bench(session, document, settings,
+                           lambda done, total, label: bar.update(job, completed=done, total=total, description=label))
+    render(result, out)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        note(opts, f"wrote {json_path}")
 
 
 def version_callback(value: bool):

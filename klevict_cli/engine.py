@@ -7,6 +7,7 @@ re-rotated after every eviction so that they sit at consecutive positions ending
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -204,24 +205,27 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def evict(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int) -> None:
-        """Bring the cache back within budget: sliding layers to their window, the others by policy score;
-        the `recent` last tokens are always kept."""
+    def evict(
+        self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None
+    ) -> None:
+        """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
+        by policy score; the `recent` last tokens are always kept."""
+        budget = self.budget if budget is None else budget
         w = min(recent, stream.next_position)
         step = self.eviction_step(stream, ctx, logits, w)
         for layer in stream.cache.layers:
             if layer.window is not None:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
         scored = self._scored_layers(stream)
-        if self.budget is not None and scored:
+        if budget is not None and scored:
             protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
             scores = self.policy.score_layers(step, list(scored))
             if self.policy.allocation == "global":
-                masks = select_global(scored, scores, self.budget, protect, min_per_head=w)
+                masks = select_global(scored, scores, budget, protect, min_per_head=w)
             else:
-                budgets = self.policy.layer_budgets(self.budget, self.adapter.num_layers)
+                budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
                 masks = {
-                    i: select_keep(layer, scores[i], budgets[i] if budgets else self.budget, protect[i])
+                    i: select_keep(layer, scores[i], budgets[i] if budgets else budget, protect[i])
                     for i, layer in scored.items()
                 }
             for i, mask in masks.items():
@@ -266,8 +270,10 @@ class Engine:
         slack: int = 64,
     ) -> Iterator[int]:
         """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0. With a budget, the cache
-        is re-compressed whenever it exceeds the budget by `slack` entries per head, the latest tokens as probes."""
+        is re-compressed whenever generation has grown it by `slack` entries per head beyond the budget (or beyond
+        what the prompt left, if more), with the latest tokens as probes."""
         logits = self.feed(stream, prompt_ids, evict=False)
+        limit = None if self.budget is None else max(self.budget, math.ceil(self.held_per_head(stream)))
         for i in range(max_new_tokens):
             token = sample(logits, temperature, top_p, self.generator)
             if token in stop_ids:
@@ -276,10 +282,10 @@ class Engine:
             if i == max_new_tokens - 1:
                 return  # nothing more to predict: don't pay for a forward of the last token
             logits = self.forward(stream, [token])[0][-1]
-            if self.budget is not None and self.held_per_head(stream) > self.budget + slack:
+            if limit is not None and self.held_per_head(stream) > limit + slack:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
-                self.evict(stream, ctx, probe_logits, recent)
+                self.evict(stream, ctx, probe_logits, recent, budget=limit)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

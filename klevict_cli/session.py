@@ -24,7 +24,7 @@ from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
-from klevict_cli.policies import make_policy
+from klevict_cli.policies import POLICIES, make_policy
 from klevict_cli.prompts import frame_for, stop_ids
 
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
@@ -33,7 +33,7 @@ QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
 @dataclass
 class ReadSettings:
     budget: Budget | None  # None: keep everything
-    method: str = "snapkv"
+    method: str = "kl"
     chunk_size: int = 512
     probe_window: int = 32
     position_mode: str = "auto"
@@ -106,8 +106,12 @@ class Session:
                           list(plan.notes))
 
     # ---- answering -----------------------------------------------------------------------------------------
-    def answer(self, stream: Stream, question: str, gen: GenerateSettings, mode: str, seed: int = 0) -> dict:
-        """Answer one question from `stream` (left unchanged). Returns text, token counts and timings."""
+    def answer(
+        self, stream: Stream, question: str, gen: GenerateSettings, mode: str, seed: int = 0,
+        method: str = "none", budget: int | None = None,
+    ) -> dict:
+        """Answer one question from `stream` (left unchanged). With `method`/`budget`, long answers are kept within
+        the budget by decode-phase eviction. Returns text, token counts and timings."""
         work = stream.clone()
         suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
         room = self.adapter.max_positions - work.next_rope - len(suffix)
@@ -117,7 +121,7 @@ class Session:
                 f" after the cache (next position {work.next_rope}); recompress with a smaller budget"
             )
         max_new = min(gen.max_new_tokens, room)
-        engine = Engine(self.lm.model, self.adapter, make_policy("none"), None, chunk_size=max(len(suffix), 1),
+        engine = Engine(self.lm.model, self.adapter, make_policy(method), budget, chunk_size=max(len(suffix), 1),
                         mode=mode, seed=seed)
         start = time.perf_counter()
         first_token_at = None
@@ -190,8 +194,11 @@ class Session:
             mode = meta["position_mode"]
         except (KeyError, ValueError) as exc:
             raise CacheFileError(f"{path}: metadata lacks a valid {exc}") from None
-        if mode not in ("original", "compact") or int(meta.get("next_position", -1)) != len(kvc.tokens):
+        if mode not in ("original", "compact") or meta.get("next_position") != str(len(kvc.tokens)):
             raise CacheFileError(f"{path}: inconsistent position metadata")
+        if meta.get("method") not in POLICIES or not (meta.get("budget_tokens") == "all"
+                                                      or meta.get("budget_tokens", "").isdigit()):
+            raise CacheFileError(f"{path}: unknown method or budget in the metadata")
         param = next(self.lm.model.parameters())
         layers = []
         for packed, shape in zip(kvc.layers, self.adapter.layer_shapes()):

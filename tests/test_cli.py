@@ -178,7 +178,7 @@ def test_summarize_json_fields(doc, model):
     assert data["document"]["name"] == str(doc)
     assert data["document"]["tokens"] > 64
     assert data["budget"] == "64" and data["budget_tokens"] == 64
-    assert data["method"] == "snapkv"
+    assert data["method"] == "kl"
     assert data["position_mode"] == "original"
     # 3 layers x 2 KV heads, each at most the budget after the last eviction.
     assert 0 < data["kept_entries"] <= 3 * 2 * 64
@@ -239,7 +239,7 @@ def test_compress_json_reports_the_real_file_size(compressed):
     assert summary["output"] == str(path)
     assert summary["file_bytes"] == path.stat().st_size
     assert summary["budget_tokens"] == 64
-    assert summary["method"] == "snapkv"
+    assert summary["method"] == "kl"
     assert summary["kept_entries"] == 3 * 2 * 64
 
 
@@ -454,7 +454,7 @@ def test_inspect_table(compressed):
     result = invoke("inspect", compressed[0])
     assert_ok(result)
     assert "kept entries per layer" in result.stdout
-    assert "snapkv" in result.stdout
+    assert "kl" in result.stdout
     assert "64" in result.stdout
 
 
@@ -462,11 +462,12 @@ def test_inspect_json(compressed):
     path, summary = compressed
     info = json_out(invoke("inspect", path, "--json"))
     assert info["file_bytes"] == path.stat().st_size
-    assert info["metadata"]["method"] == "snapkv"
+    assert info["metadata"]["method"] == "kl"
     per_layer = info["kept_per_layer"]
     assert len(per_layer) == 3  # one list per layer
     assert all(len(heads) == 2 for heads in per_layer)  # one count per KV head
-    assert all(0 < n <= 64 for heads in per_layer for n in heads)
+    counts = [n for heads in per_layer for n in heads]
+    assert min(counts) > 0 and sum(counts) <= 64 * len(counts)  # kl allocates 64 per head on average, globally
     assert sum(map(sum, per_layer)) == summary["kept_entries"]
     assert info["kv_bytes_kept"] < info["kv_bytes_full"]
     assert info["tokens"] == int(info["metadata"]["next_position"])

@@ -132,5 +132,6 @@ def test_decode_eviction_keeps_the_cache_within_budget_plus_slack():
     for _ in engine.generate(stream, [1, 2, 3], max_new_tokens=150, stop_ids=set(), slack=16):
         held.append(engine.held_per_head(stream))
     assert len(held) == 150
-    assert max(held) <= 40 + 16 + 1
+    assert max(held) <= 40 + 3 + 16 + 1  # the budget grows by the prompt (never evicted), plus the slack
+    assert min(held[100:]) < max(held)  # and it really was re-compressed
     assert stream.next_position == 120 + 3 + 150 - 1  # the last sampled token is not fed back

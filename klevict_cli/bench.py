@@ -1,0 +1,460 @@
+"""`klevict bench`: every eviction method side by side on one document (DESIGN §6).
+
+Fidelity: draw `windows` windows of `context + continuation` tokens from the document (seeded). For each window the
+full-cache reference reads the context, then teacher-forces the continuation; every method × budget reads the same
+context chunk by chunk with eviction, then teacher-forces the same continuation at the original positions. Per
+token: KL(p_full ‖ p_compressed), top-1 agreement and the true next token's NLL. Cost: wall time of the compressed
+read relative to the full-cache read of the same window (same chunking), and the bytes of cache kept.
+
+Needle: `needles` facts ("The secret code of the red fox is 4821.") inserted at random sentence boundaries of a
+haystack of about `context` tokens, read inside the chat frame with eviction; each fact is then asked (the question
+unseen while compressing) and answered greedily; exact match = the number appears in the answer.
+
+Budgets resolve against `context` tokens for both tasks. Everything is seeded: the same seed gives the same numbers,
+timings aside. `run_bench` returns one JSON-ready dict; `render` prints it as rich tables.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import platform
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from klevict_cli import __version__
+from klevict_cli.errors import ResourceError, UsageError
+from klevict_cli.options import Budget, parse_budget
+from klevict_cli.policies import make_policy
+from klevict_cli.prompts import _bos
+
+TASKS = ("fidelity", "needle", "both")
+Z95 = 1.96  # normal approximation for the 95 % interval of a mean over windows
+ADJECTIVES = ("red", "blue", "green", "golden", "silver", "purple", "orange", "spotted", "striped", "sleepy",
+              "angry", "clever", "tiny", "giant", "quiet", "brave")
+ANIMALS = ("fox", "owl", "tiger", "whale", "rabbit", "eagle", "wolf", "turtle", "otter", "falcon", "badger", "lynx",
+           "heron", "moose", "panda", "koala")
+
+Progress = Callable[[int, int, str], None]  # (done, total, what is running)
+
+
+@dataclass
+class BenchSettings:
+    methods: list[str]
+    budgets: list[str]  # as given: "20%", "512", ...
+    windows: int = 8
+    context: int = 4096
+    continuation: int = 256
+    seed: int = 0
+    chunk_size: int = 512
+    probe_window: int = 32
+    task: str = "fidelity"
+    needles: int = 4
+    answer_tokens: int = 8
+
+
+@dataclass
+class Fact:
+    adjective: str
+    animal: str
+    number: str
+    depth: float = 0.0  # where the fact sits in the haystack text (0 = start, 1 = end)
+    sentence: str = field(init=False)
+    question: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sentence = f"The secret code of the {self.adjective} {self.animal} is {self.number}."
+        self.question = f"What is the secret code of the {self.adjective} {self.animal}? Answer with the number only."
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------------
+def parse_methods(text: str, registry) -> list[str]:
+    """`all` = every registered method except `none` (the reference, always measured); else a comma list."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if names == ["all"]:
+        return [name for name in registry if name != "none"]
+    if not names:
+        raise UsageError("invalid --methods ''; give a comma-separated list of methods, or all")
+    for name in names:
+        if name == "none":
+            raise UsageError("invalid --methods: 'none' is the full-cache reference and is always measured")
+        if name not in registry:
+            raise UsageError(f"invalid --methods: unknown method '{name}'; choose from: all, "
+                             + ", ".join(n for n in registry if n != "none"))
+    if len(set(names)) != len(names):
+        raise UsageError(f"invalid --methods '{text}': a method is listed twice")
+    return names
+
+
+def parse_budgets(text: str) -> list[Budget]:
+    parts = [b.strip() for b in text.split(",") if b.strip()]
+    if not parts:
+        raise UsageError("invalid --budgets ''; give a comma-separated list such as 20%,10%,5%")
+    budgets = [parse_budget(p) for p in parts]
+    if len({str(b) for b in budgets}) != len(budgets):
+        raise UsageError(f"invalid --budgets '{text}': a budget is listed twice")
+    return budgets
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Mean per-token KL(p_full ‖ p_comp) in nats, top-1 agreement and the NLL of the true tokens (float64).
+    logits: (M, V) predicting `targets` (M,)."""
+    lp_full = full_logits.double().log_softmax(dim=-1)
+    lp_comp = comp_logits.double().log_softmax(dim=-1)
+    kl = (lp_full.exp() * (lp_full - lp_comp)).sum(dim=-1).clamp(min=0)
+    agree = (full_logits.argmax(dim=-1) == comp_logits.argmax(dim=-1)).double()
+    nll = -lp_comp.gather(1, targets[:, None].to(lp_comp.device))[:, 0]
+    return {"kl": float(kl.mean()), "top1": float(agree.mean()), "nll": float(nll.mean()),
+            "perplexity": math.exp(float(nll.mean()))}
+
+
+def summary(values: list[float | None]) -> dict:
+    """Mean over windows with a 95 % interval half-width (1.96·sd/√n; 0 for one window)."""
+    xs = [float(v) for v in values if v is not None]
+    n = len(xs)
+    if not n:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "ci95": Z95 * sd / math.sqrt(n), "n": n}
+
+
+# ---- windows and haystacks -------------------------------------------------------------------------------------
+def draw_offsets(n_tokens: int, span: int, count: int, rng: random.Random) -> list[int]:
+    """`count` offsets drawn uniformly so that [offset, offset + span) fits in `n_tokens`."""
+    if span > n_tokens:
+        raise UsageError(f"the document has {n_tokens} tokens; a window needs {span}"
+                         " (lower --context / --continuation)")
+    return [rng.randint(0, n_tokens - span) for _ in range(count)]
+
+
+def make_facts(rng: random.Random, count: int) -> list[Fact]:
+    pairs = rng.sample([(a, b) for a in ADJECTIVES for b in ANIMALS], count)
+    numbers = rng.sample(range(1000, 10000), count)
+    return [Fact(a, b, str(n)) for (a, b), n in zip(pairs, numbers)]
+
+
+def insert_facts(text: str, facts: list[Fact], rng: random.Random) -> str:
+    """Insert each fact's sentence at a seeded random depth, snapped to the nearest sentence end (or the text's
+    start or end); records each fact's final depth."""
+    ends = sorted({0, len(text), *(m.end() for m in re.finditer(r"[.!?](?=\s)", text))})
+    spots = []
+    for _ in facts:
+        target = rng.random() * len(text)
+        i = bisect.bisect_left(ends, target)
+        spots.append(min(ends[max(0, i - 1) : i + 1], key=lambda e: abs(e - target)))
+    for spot, fact in sorted(zip(spots, facts), key=lambda p: p[0], reverse=True):
+        text = fact.sentence + " " + text if spot == 0 else text[:spot] + " " + fact.sentence + text[spot:]
+    for fact in facts:
+        fact.depth = text.index(fact.sentence) / max(1, len(text))
+    return text
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes_per_token(engine) -> int:
+    size = torch.empty((), dtype=engine.dtype).element_size()
+    return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in engine.shapes) * size
+
+
+def timed_read(engine, ids: list[int]) -> dict:
+    """Read `ids` with eviction into a fresh stream; wall time, the last logits, kept and peak cache bytes."""
+    stream = engine.new_stream()
+    per_token = _bytes_per_token(engine)
+    peak = 0
+    held = 0
+
+    def tick(n: int) -> None:  # after each chunk's eviction: the chunk's forward held what was kept before + it
+        nonlocal peak, held
+        peak = max(peak, held + n * per_token)
+        held = stream.cache.nbytes()
+
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        base = torch.cuda.memory_allocated(engine.device)
+    _sync(engine.device)
+    start = time.perf_counter()
+    logits = engine.feed(stream, ids, progress=tick)
+    _sync(engine.device)
+    seconds = time.perf_counter() - start
+    return {
+        "stream": stream, "logits": logits, "seconds": seconds, "cache_bytes": stream.cache.nbytes(),
+        "peak_cache_bytes": peak, "kept_entries": sum(sum(c) for c in stream.cache.kept_counts()),
+        "peak_device_bytes": torch.cuda.max_memory_allocated(engine.device) - base if cuda else None,
+    }
+
+
+def continuation_logits(engine, stream, last_logits: torch.Tensor, continuation: list[int]) -> torch.Tensor:
+    """Teacher-force `continuation` (no eviction, original positions): (M, V) logits predicting each of its tokens,
+    the first from the context's last logits."""
+    rows, _ = engine.forward(stream, continuation, logits_rows=len(continuation))
+    return torch.cat((last_logits[None].float(), rows[:-1].float()), dim=0)
+
+
+class _Counter:
+    def __init__(self, total: int, progress: Progress | None):
+        self.done, self.total, self.progress = 0, total, progress
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, label)
+
+
+def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
+    from klevict_cli.session import ReadSettings
+
+    read = ReadSettings(budget=None, chunk_size=settings.chunk_size, probe_window=settings.probe_window,
+                        seed=settings.seed)
+    reference = session.engine("none", None, read, "original")
+    methods = {(m, label): session.engine(m, tokens, read, "original")
+               for m in settings.methods for label, tokens in budgets.items()}
+    return reference, methods
+
+
+def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick) -> dict:
+    bos = _bos(session.lm.tokenizer)
+    body = settings.context - len(bos)
+    offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
+    labels = list(dict.fromkeys(label for _, label in engines))
+    warm = reference.new_stream()  # first-call costs (allocations, kernel selection) must not land on a timing
+    reference.feed(warm, (bos + doc_ids)[: min(settings.chunk_size, settings.context)])
+    full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
+    results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
+                                             "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
+                                             "kept_entries")}
+                   for label in labels} for m in settings.methods}
+    for w, offset in enumerate(offsets):
+        context = bos + doc_ids[offset : offset + body]
+        cont = doc_ids[offset + body : offset + body + settings.continuation]
+        targets = torch.tensor(cont)
+        ref = timed_read(reference, context)
+        ref_logits = continuation_logits(reference, ref["stream"], ref["logits"], cont)
+        base = token_metrics(ref_logits, ref_logits, targets)
+        full["perplexity"].append(base["perplexity"])
+        full["nll"].append(base["nll"])
+        for key in ("seconds", "cache_bytes", "peak_cache_bytes"):
+            full[key].append(ref[key])
+        del ref
+        tick(f"window {w + 1}/{len(offsets)}: full cache")
+        for (method, label), engine in engines.items():
+            engine.generator.manual_seed(settings.seed)  # each window starts from the same seeded state
+            got = timed_read(engine, context)
+            logits = continuation_logits(engine, got["stream"], got["logits"], cont)
+            row = results[method][label]
+            for key, value in token_metrics(ref_logits, logits, targets).items():
+                row[key].append(value)
+            for key in ("seconds", "cache_bytes", "peak_cache_bytes", "peak_device_bytes", "kept_entries"):
+                row[key].append(got[key])
+            row["time_ratio"].append(got["seconds"] / max(full["seconds"][-1], 1e-12))
+            row["cache_fraction"].append(got["cache_bytes"] / max(full["cache_bytes"][-1], 1))
+            del got, logits
+            tick(f"window {w + 1}/{len(offsets)}: {method} @ {label}")
+    stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
+    return {
+        "offsets": offsets,
+        "context_tokens": settings.context,
+        "continuation_tokens": settings.continuation,
+        "full": {"perplexity": summary(full["perplexity"]), "seconds": summary(full["seconds"]),
+                 "cache_bytes": summary(full["cache_bytes"]), "per_window": full},
+        "results": {m: {label: {**{k: summary(row[k]) for k in stats}, "per_window": row}
+                        for label, row in per.items()} for m, per in results.items()},
+    }
+
+
+def build_haystack(session, doc_ids: list[int], settings: BenchSettings, rng: random.Random) -> dict:
+    tok = session.lm.tokenizer
+    prefix = session.frame.prefix_ids(tok)
+    facts = make_facts(rng, settings.needles)
+    fact_tokens = sum(len(tok(" " + f.sentence, add_special_tokens=False)["input_ids"]) for f in facts)
+    body = max(1, settings.context - len(prefix) - fact_tokens)
+    offset = draw_offsets(len(doc_ids), body, 1, rng)[0]
+    text = insert_facts(tok.decode(doc_ids[offset : offset + body]), facts, rng)
+    ids = prefix + tok(text, add_special_tokens=False)["input_ids"]
+    return {"offset": offset, "ids": ids, "facts": facts}
+
+
+def answer(session, engine, stream, question: str, max_new: int) -> str:
+    """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`."""
+    work = stream.clone()
+    suffix = session.frame.suffix_ids(session.lm.tokenizer, question)
+    tokens = list(engine.generate(work, suffix, max_new, session.stop_ids))
+    return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick) -> dict:
+    rng = random.Random(f"needle:{settings.seed}")
+    labels = list(dict.fromkeys(label for _, label in engines))
+    haystacks = [build_haystack(session, doc_ids, settings, rng) for _ in range(settings.windows)]
+    longest = max(len(h["ids"]) for h in haystacks) + settings.answer_tokens + max(
+        len(session.frame.suffix_ids(session.lm.tokenizer, f.question)) for h in haystacks for f in h["facts"])
+    if longest > session.adapter.max_positions:
+        raise ResourceError(f"a needle haystack plus its question needs {longest} positions; the model has "
+                         f"{session.adapter.max_positions} (lower --context)")
+
+    def score(engine, hay) -> tuple[list[str], list[bool]]:
+        stream = engine.new_stream()
+        engine.feed(stream, hay["ids"])
+        texts = [answer(session, reference, stream, f.question, settings.answer_tokens) for f in hay["facts"]]
+        return texts, [f.number in t for f, t in zip(hay["facts"], texts)]
+
+    full = {"accuracy": [], "answers": [], "correct": []}
+    results = {m: {label: {"accuracy": [], "answers": [], "correct": []} for label in labels}
+               for m in settings.methods}
+    for w, hay in enumerate(haystacks):
+        reference.generator.manual_seed(settings.seed)
+        texts, ok = score(reference, hay)
+        full["answers"].append(texts)
+        full["correct"].append(ok)
+        full["accuracy"].append(sum(ok) / len(ok))
+        tick(f"needle {w + 1}/{len(haystacks)}: full cache")
+        for (method, label), engine in engines.items():
+            engine.generator.manual_seed(settings.seed)
+            texts, ok = score(engine, hay)
+            row = results[method][label]
+            row["answers"].append(texts)
+            row["correct"].append(ok)
+            row["accuracy"].append(sum(ok) / len(ok))
+            tick(f"needle {w + 1}/{len(haystacks)}: {method} @ {label}")
+    return {
+        "haystacks": [{"offset": h["offset"], "tokens": len(h["ids"]),
+                       "facts": [{"sentence": f.sentence, "question": f.question, "number": f.number,
+                                  "depth": round(f.depth, 4)} for f in h["facts"]]} for h in haystacks],
+        "full": {"accuracy": summary(full["accuracy"]), "per_window": full},
+        "results": {m: {label: {"accuracy": summary(row["accuracy"]), "per_window": row}
+                        for label, row in per.items()} for m, per in results.items()},
+    }
+
+
+def run_bench(session, document, settings: BenchSettings, progress: Progress | None = None) -> dict:
+    """Run the benchmark on a loaded `Session` and a `Document`; returns every raw number and the settings."""
+    if settings.task not in TASKS:
+        raise UsageError(f"invalid --task '{settings.task}'; choose from: {', '.join(TASKS)}")
+    budgets = {str(b): min(b.resolve(settings.context), settings.context) for b in map(parse_budget,
+                                                                                         settings.budgets)}
+    if settings.context + settings.continuation > session.adapter.max_positions:
+        raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
+                         f"{session.adapter.max_positions} positions")
+    doc_ids = session.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+    tasks = ["fidelity", "needle"] if settings.task == "both" else [settings.task]
+    per_task = settings.windows * (1 + len(settings.methods) * len(budgets))
+    tick = _Counter(per_task * len(tasks), progress)
+    out = {
+        "settings": {
+            **asdict(settings),
+            "budget_tokens": budgets,
+            "model": session.lm.model_id,
+            "model_config_sha256": session.lm.config_sha256,
+            "model_weights_sha256": session.lm.weights_sha256,
+            "device": str(next(session.lm.model.parameters()).device),
+            "dtype": str(next(session.lm.model.parameters()).dtype).removeprefix("torch."),
+            "document": {"name": document.name, "sha256": document.sha256, "tokens": len(doc_ids)},
+            "interval": "mean ± 1.96·sd/√n over windows",
+            "method_params": {m: make_policy(m).params() for m in settings.methods},
+            "versions": {"klevict": __version__, "torch": torch.__version__, "transformers": _transformers_version(),
+                         "python": platform.python_version()},
+        },
+    }
+    reference, engines = _engines(session, settings, budgets)  # one engine per method × budget, reused
+    if "fidelity" in tasks:
+        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick)
+    if "needle" in tasks:
+        out["needle"] = run_needle(session, doc_ids, settings, reference, engines, tick)
+    return out
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# ---- rendering -------------------------------------------------------------------------------------------------
+def _best(result: dict, metric: str, lower: bool) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for per in result["results"].values():
+        for label, row in per.items():
+            value = row[metric]["mean"]
+            if value is not None and (label not in best or (value < best[label] if lower else value > best[label])):
+                best[label] = value
+    return best
+
+
+def _cell(text: str, bold: bool) -> str:
+    return f"[bold green]{text}[/]" if bold else text
+
+
+def render(result: dict, console: Console) -> None:
+    settings = result["settings"]
+    labels = list(settings["budget_tokens"])
+    head = (f"{settings['model']} · {settings['document']['name']} · {settings['windows']} windows · "
+            f"seed {settings['seed']} · chunk {settings['chunk_size']}")
+    fid = result.get("fidelity")
+    if fid is not None:
+        full = fid["full"]
+        table = Table(title=f"KL(full ‖ compressed), nats/token, mean ± 95% — {head}",
+                      caption=f"context {settings['context']} + continuation {fid['continuation_tokens']} tokens; "
+                              f"full-cache perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold")
+        table.add_column("method")
+        for label in labels:
+            table.add_column(f"{label} ({settings['budget_tokens'][label]})", justify="right")
+        best = _best(fid, "kl", lower=True)
+        for method, per in fid["results"].items():
+            table.add_row(method, *[_cell(_pm(per[b]["kl"], ".4f"), _is(per[b]["kl"]["mean"], best.get(b)))
+                                    for b in labels])
+        console.print(table)
+        table = Table(title="top-1 agreement with the full cache · perplexity")
+        table.add_column("method")
+        for label in labels:
+            table.add_column(label, justify="right")
+        best = _best(fid, "top1", lower=False)
+        for method, per in fid["results"].items():
+            table.add_row(method, *[_cell(f"{100 * per[b]['top1']['mean']:.1f}% · {per[b]['perplexity']['mean']:.2f}",
+                                          _is(per[b]["top1"]["mean"], best.get(b))) for b in labels])
+        console.print(table)
+        table = Table(title="cost: read time vs the full cache (same chunks) · cache kept",
+                      caption=f"full cache: {full['seconds']['mean']:.3f} s per window, "
+                              f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
+        table.add_column("method")
+        for label in labels:
+            table.add_column(label, justify="right")
+        for method, per in fid["results"].items():
+            table.add_row(method, *[f"{per[b]['time_ratio']['mean']:.2f}× · {per[b]['cache_bytes']['mean'] / 1e6:.2f} MB"
+                                    f" (peak {per[b]['peak_cache_bytes']['mean'] / 1e6:.2f})" for b in labels])
+        console.print(table)
+    needle = result.get("needle")
+    if needle is not None:
+        n = sum(len(h["facts"]) for h in needle["haystacks"])
+        table = Table(title=f"needle retrieval: exact-match accuracy ({n} facts)",
+                      caption=f"full cache: {100 * needle['full']['accuracy']['mean']:.1f}%; best per column in bold")
+        table.add_column("method")
+        for label in labels:
+            table.add_column(label, justify="right")
+        best = _best(needle, "accuracy", lower=False)
+        for method, per in needle["results"].items():
+            table.add_row(method, *[_cell(f"{100 * per[b]['accuracy']['mean']:.1f}%",
+                                          _is(per[b]["accuracy"]["mean"], best.get(b))) for b in labels])
+        console.print(table)
+
+
+def _is(value, best) -> bool:
+    return value is not None and best is not None and abs(value - best) <= 1e-12
+
+
+def _pm(s: dict, fmt: str) -> str:
+    if s["mean"] is None:
+        return "–"
+    return f"{format(s['mean'], fmt)} ± {format(s['ci95'], fmt)}"

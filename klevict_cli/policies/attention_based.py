@@ -1,0 +1,63 @@
+"""Policies that rank entries by the attention the probe queries pay them: `pyramidkv`, `h2o`, `tova`.
+
+Per-query-head attention is folded over a GQA group by SUM: an entry serves every query head of its group, so its
+total use is what matters. The most recent tokens (the probe window) are always kept by the engine, which gives
+H2O and TOVA their "recent" part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_rules import last_query_attention, pyramid_budgets, window_attention
+from klevict_cli.policies.base import EvictionStep, Policy
+from klevict_cli.policies.snapkv import SnapKV
+
+DEFAULT_PROBE_WINDOW = 32  # the engine's and the CLI's default --probe-window
+
+
+class PyramidKV(SnapKV):
+    """`pyramidkv` (PyramidKV): SnapKV scores with budgets decreasing linearly from lower to upper layers."""
+
+    name = "pyramidkv"
+
+    def __init__(self, kernel: int = 7, beta: float = 20.0):
+        super().__init__(kernel)
+        self.beta = beta
+        self._probe_window = 0
+
+    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
+        self._probe_window = len(step.probe_positions)  # every layer must keep at least the protected probes
+        return super().score(step, layer_idx)
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        floor = min(budget, max(self._probe_window, min(DEFAULT_PROBE_WINDOW, budget // 2)))
+        return pyramid_budgets(budget, num_layers, floor, self.beta)
+
+    def params(self) -> dict[str, str]:
+        return {**super().params(), "beta": str(self.beta)}
+
+
+class H2O(Policy):
+    """`h2o` (Heavy-Hitter Oracle): the probes' attention accumulated over every eviction so far."""
+
+    name = "h2o"
+    needs_probes = True
+    EXTRA = "h2o_attention"
+
+    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
+        layer = step.cache.layers[layer_idx]
+        total = layer.extra(self.EXTRA) + window_attention(step.probes[layer_idx].weights, layer.keys.shape[0])
+        layer.extras[self.EXTRA] = total  # scored once per eviction; the running sum travels with its entries
+        return total
+
+
+class TOVA(Policy):
+    """`tova` (TOVA): the attention of the most recent query only."""
+
+    name = "tova"
+    needs_probes = True
+
+    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
+        layer = step.cache.layers[layer_idx]
+        return last_query_attention(step.probes[layer_idx].weights, layer.keys.shape[0])

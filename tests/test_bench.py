@@ -1,0 +1,218 @@
+"""`klevict bench` end to end on a tiny random model: every field in its JSON, exactness at a 100 % budget, the same
+seed giving the same numbers, and the pieces (metrics, intervals, windows, needles) on their own."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
+
+from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.bench import (
+    BenchSettings,
+    Fact,
+    draw_offsets,
+    insert_facts,
+    make_facts,
+    parse_budgets,
+    parse_methods,
+    render,
+    run_bench,
+    summary,
+    token_metrics,
+)
+from klevict_cli.cli import app
+from klevict_cli.documents import Document
+from klevict_cli.errors import ResourceError, UsageError
+from klevict_cli.models import LoadedModel
+from klevict_cli.policies import POLICIES
+from klevict_cli.session import Session
+from tests.conftest import CORPUS, make_tokenizer, tiny_llama
+
+TEXT = " ".join(CORPUS * 25)
+TIMING_KEYS = {"seconds", "time_ratio", "peak_device_bytes"}
+SETTINGS = dict(methods=["snapkv", "h2o"], budgets=["100%", "20%"], windows=2, context=200, continuation=32,
+                chunk_size=64, probe_window=8, task="both")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def session():
+    model = tiny_llama(seed=5)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+
+
+@pytest.fixture(scope="module")
+def document():
+    return Document(TEXT, "corpus.txt", "0" * 64)
+
+
+@pytest.fixture(scope="module")
+def result(session, document):
+    return run_bench(session, document, BenchSettings(**SETTINGS))
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMING_KEYS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+def test_bench_json_has_every_field(result):
+    result = json.loads(json.dumps(result))  # JSON-ready as returned
+    settings = result["settings"]
+    for key in ("model", "seed", "windows", "context", "continuation", "chunk_size", "probe_window", "methods",
+                "budgets", "budget_tokens", "task", "document", "versions", "device", "dtype", "method_params"):
+        assert key in settings, key
+    assert settings["budget_tokens"] == {"100%": 200, "20%": 40}
+    assert set(settings["versions"]) == {"klevict", "torch", "transformers", "python"}
+    fid = result["fidelity"]
+    assert len(fid["offsets"]) == 2 and fid["continuation_tokens"] == 32
+    assert len(fid["full"]["per_window"]["perplexity"]) == 2 and fid["full"]["perplexity"]["mean"] > 1
+    for method in ("snapkv", "h2o"):
+        for label in ("100%", "20%"):
+            row = fid["results"][method][label]
+            for key in ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction",
+                        "peak_cache_bytes"):
+                assert set(row[key]) == {"mean", "ci95", "n"} and row[key]["n"] == 2, key
+            for key in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes", "kept_entries",
+                        "peak_cache_bytes"):
+                assert len(row["per_window"][key]) == 2, key
+    needle = result["needle"]
+    assert len(needle["haystacks"]) == 2
+    assert all(len(h["facts"]) == 4 and 0 <= h["facts"][0]["depth"] <= 1 for h in needle["haystacks"])
+    for method in ("snapkv", "h2o"):
+        for label in ("100%", "20%"):
+            row = needle["results"][method][label]
+            assert 0 <= row["accuracy"]["mean"] <= 1
+            assert [len(a) for a in row["per_window"]["answers"]] == [4, 4]
+    assert 0 <= needle["full"]["accuracy"]["mean"] <= 1
+
+
+def test_full_budget_is_exactly_the_full_cache(result):
+    for method in ("snapkv", "h2o"):
+        row = result["fidelity"]["results"][method]["100%"]
+        assert max(row["per_window"]["kl"]) <= 1e-6
+        assert row["top1"]["mean"] == 1.0
+        assert row["per_window"]["perplexity"] == pytest.approx(result["fidelity"]["full"]["per_window"]["perplexity"])
+        assert row["cache_fraction"]["mean"] == 1.0
+        assert result["needle"]["results"][method]["100%"]["per_window"]["answers"] == \
+            result["needle"]["full"]["per_window"]["answers"]
+
+
+def test_a_smaller_budget_keeps_less_and_changes_the_distribution(result):
+    row = result["fidelity"]["results"]["snapkv"]["20%"]
+    assert row["kl"]["mean"] > 1e-6
+    assert row["cache_fraction"]["mean"] == pytest.approx(40 / 200, abs=0.01)
+    assert row["peak_cache_bytes"]["mean"] < result["fidelity"]["full"]["per_window"]["peak_cache_bytes"][0]
+
+
+def test_the_same_seed_gives_the_same_numbers(session, document, result):
+    again = run_bench(session, document, BenchSettings(**SETTINGS))
+    assert without_timings(again) == without_timings(result)
+    other = run_bench(session, document, BenchSettings(**{**SETTINGS, "seed": 1, "task": "fidelity"}))
+    assert other["fidelity"]["offsets"] != result["fidelity"]["offsets"]
+
+
+def test_render_prints_every_method_and_budget(result):
+    console = Console(record=True, width=200)
+    render(result, console)
+    text = console.export_text()
+    for word in ("snapkv", "h2o", "100% (200)", "20% (40)", "KL", "cost", "needle"):
+        assert word in text
+
+
+def test_bench_refuses_windows_that_do_not_fit(session, document):
+    with pytest.raises(ResourceError, match="positions"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "context": 100_000, "task": "fidelity"}))
+    with pytest.raises(UsageError, match="the document has [0-9]+ tokens"):
+        run_bench(session, Document("Call me Ishmael.", "short.txt", "0"), BenchSettings(**SETTINGS))
+
+
+# ---- the pieces ------------------------------------------------------------------------------------------------
+def test_token_metrics():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11)
+    targets = torch.randint(0, 11, (5,))
+    same = token_metrics(logits, logits, targets)
+    assert same["kl"] == 0 and same["top1"] == 1
+    nll = -logits.double().log_softmax(-1)[torch.arange(5), targets].mean().item()
+    assert same["nll"] == pytest.approx(nll) and same["perplexity"] == pytest.approx(torch.tensor(nll).exp().item())
+    other = logits + torch.randn(5, 11)
+    p, q = logits.double().log_softmax(-1), other.double().log_softmax(-1)
+    expected = (p.exp() * (p - q)).sum(-1).mean().item()
+    assert token_metrics(logits, other, targets)["kl"] == pytest.approx(expected)
+
+
+def test_summary_interval():
+    s = summary([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == 2.5 and s["n"] == 4
+    assert s["ci95"] == pytest.approx(1.96 * (5 / 3) ** 0.5 / 2)
+    assert summary([3.0]) == {"mean": 3.0, "ci95": 0.0, "n": 1}
+
+
+def test_offsets_fit_and_repeat():
+    offsets = draw_offsets(1000, 300, 50, random.Random(0))
+    assert all(0 <= o <= 700 for o in offsets) and offsets == draw_offsets(1000, 300, 50, random.Random(0))
+
+
+def test_facts_go_between_sentences():
+    rng = random.Random(0)
+    facts = make_facts(rng, 4)
+    assert len({f.number for f in facts}) == 4 and len({(f.adjective, f.animal) for f in facts}) == 4
+    text = "One fish swam. Two birds flew! Three cats slept? Four dogs barked. Five frogs sang."
+    out = insert_facts(text, facts, rng)
+    for fact in facts:
+        assert fact.sentence in out and fact.number in fact.sentence and fact.number not in fact.question
+        assert out == text or fact.depth == pytest.approx(out.index(fact.sentence) / len(out))
+    assert out.replace(" ", "").count(".") == text.replace(" ", "").count(".") + 4
+    for sentence in ("One fish swam.", "Two birds flew!", "Three cats slept?", "Four dogs barked."):
+        assert sentence in out  # no original sentence was cut
+    assert Fact("red", "fox", "1234").sentence == "The secret code of the red fox is 1234."
+
+
+def test_parse_methods_and_budgets():
+    everything = parse_methods("all", POLICIES)
+    assert "none" not in everything and set(everything) == set(POLICIES) - {"none"}
+    assert parse_methods("snapkv, h2o", POLICIES) == ["snapkv", "h2o"]
+    for bad in ("nope", "none", "snapkv,snapkv", ""):
+        with pytest.raises(UsageError):
+            parse_methods(bad, POLICIES)
+    assert [str(b) for b in parse_budgets("20%,10%, 512")] == ["20%", "10%", "512"]
+    with pytest.raises(UsageError):
+        parse_budgets("20%,20%")
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+def test_cli_bench_writes_json_and_prints_tables(tiny_model_dir, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "bench.json"
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--methods", "streaming,tova",
+                              "--budgets", "50%,10%", "--windows", "2", "--context", "150", "--continuation", "16",
+                              "--chunk-size", "64", "--json", str(out), "--quiet"])
+    assert res.exit_code == 0, (res.stdout, res.stderr, res.exception)
+    assert "streaming" in res.stdout and "tova" in res.stdout and "KL" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["settings"]["methods"] == ["streaming", "tova"] and "fidelity" in data and "needle" not in data
+    assert data["settings"]["model"] == str(tiny_model_dir)
+    bad = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--methods", "nope"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error:")
+    bad = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--task", "poetry"])
+    assert bad.exit_code == 2 and "--task" in bad.stderr
