@@ -9,24 +9,50 @@ function (attention.py) reads `valid` and the positions to build the mask itself
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from klevict_cli.adapters import LayerShape
 
 
-@dataclass
+_FIELDS = ("keys", "values", "positions", "rope_positions", "valid")
+
+
+class _Column:
+    """A per-entry field of a layer, stored with spare columns so that appending a decoded token is amortised O(1)
+    instead of copying the whole cache."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        return layer._storage[self.name][:, : layer._used]
+
+    def __set__(self, layer, value: torch.Tensor):
+        layer._storage[self.name] = value
+        layer._used = value.shape[1]
+
+
 class LayerCache:
-    keys: torch.Tensor  # (H, C, Dk), post-RoPE
-    values: torch.Tensor  # (H, C, Dv)
-    positions: torch.Tensor  # (H, C) int64 original stream positions; -1 for padding
-    rope_positions: torch.Tensor  # (H, C) int64 positions the keys are rotated at
-    valid: torch.Tensor  # (H, C) bool
-    window: int | None = None  # sliding-window layers keep their window and are never scored
-    # Per-entry state a policy keeps across evictions (e.g. h2o's accumulated attention): name -> (H, C) tensor.
-    # New entries start at zero; eviction, truncation and cloning carry it along with the entries.
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """One layer's kept entries: (H, C, ·) tensors padded to the fullest head, plus a `valid` mask."""
+
+    keys = _Column()  # (H, C, Dk), post-RoPE
+    values = _Column()  # (H, C, Dv)
+    positions = _Column()  # (H, C) int64 original stream positions; -1 for padding
+    rope_positions = _Column()  # (H, C) int64 positions the keys are rotated at
+    valid = _Column()  # (H, C) bool
+
+    def __init__(self, keys, values, positions, rope_positions, valid, window: int | None = None,
+                 extras: dict[str, torch.Tensor] | None = None):
+        self._storage: dict[str, torch.Tensor] = {}
+        self._used = 0
+        for name, value in zip(_FIELDS, (keys, values, positions, rope_positions, valid)):
+            setattr(self, name, value)
+        self.window = window  # sliding-window layers keep their window and are never scored
+        # Per-entry state a policy keeps across evictions (e.g. h2o's accumulated attention): name -> (H, C) tensor.
+        # New entries start at zero; eviction, truncation and cloning carry it along with the entries.
+        self.extras: dict[str, torch.Tensor] = dict(extras or {})
 
     @classmethod
     def empty(cls, shape: LayerShape, device, dtype) -> LayerCache:
@@ -42,7 +68,7 @@ class LayerCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[1]
+        return self._used
 
     def lengths(self) -> torch.Tensor:
         return self.valid.sum(dim=1)
@@ -50,11 +76,17 @@ class LayerCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor):
         """Append T new entries (same positions for every head) after the current capacity."""
         h, t = keys.shape[0], keys.shape[1]
-        self.keys = torch.cat((self.keys, keys.to(self.keys.dtype)), dim=1)
-        self.values = torch.cat((self.values, values.to(self.values.dtype)), dim=1)
-        self.positions = torch.cat((self.positions, positions.expand(h, t)), dim=1)
-        self.rope_positions = torch.cat((self.rope_positions, rope_positions.expand(h, t)), dim=1)
-        self.valid = torch.cat((self.valid, torch.ones(h, t, dtype=torch.bool, device=self.valid.device)), dim=1)
+        used, end = self._used, self._used + t
+        new = {"keys": keys, "values": values, "positions": positions.expand(h, t),
+               "rope_positions": rope_positions.expand(h, t), "valid": True}
+        for name in _FIELDS:
+            store = self._storage[name]
+            if store.shape[1] < end:  # grow by half again (at least what is needed): amortised appends
+                grown = store.new_zeros((h, max(end, used + used // 2 + 16), *store.shape[2:]))
+                grown[:, :used] = store[:, :used]
+                store = self._storage[name] = grown
+            store[:, used:end] = new[name]
+        self._used = end
         for name, extra in self.extras.items():
             self.extras[name] = torch.cat((extra, extra.new_zeros(h, t)), dim=1)
 
@@ -71,22 +103,21 @@ class LayerCache:
         new_cap = int(counts.max()) if counts.numel() else 0
         # Stable sort puts kept entries first, in order; the first new_cap columns are the new layout.
         order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :new_cap]
-        self.keys = self.keys.gather(1, order[..., None].expand(-1, -1, self.keys.shape[-1]))
-        self.values = self.values.gather(1, order[..., None].expand(-1, -1, self.values.shape[-1]))
-        self.positions = self.positions.gather(1, order)
-        self.rope_positions = self.rope_positions.gather(1, order)
-        extras = {name: extra.gather(1, order) for name, extra in self.extras.items()}
-        self.valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
-        self.positions = self.positions.masked_fill(~self.valid, -1)
-        self.rope_positions = self.rope_positions.masked_fill(~self.valid, -1)
-        self.keys = self.keys.masked_fill(~self.valid[..., None], 0)
-        self.values = self.values.masked_fill(~self.valid[..., None], 0)
-        self.extras = {name: extra.masked_fill(~self.valid, 0) for name, extra in extras.items()}
+        valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
+        packed = {}
+        for name in _FIELDS[:-1]:  # gather everything from the old layout before replacing any field
+            old = getattr(self, name)
+            index = order if old.dim() == 2 else order[..., None].expand(-1, -1, old.shape[-1])
+            fill = -1 if name.endswith("positions") else 0
+            packed[name] = old.gather(1, index).masked_fill(~(valid if old.dim() == 2 else valid[..., None]), fill)
+        packed["valid"] = valid
+        for name in _FIELDS:
+            setattr(self, name, packed[name])
+        self.extras = {name: extra.gather(1, order).masked_fill(~valid, 0) for name, extra in self.extras.items()}
 
     def truncate(self, capacity: int) -> None:
         """Drop everything appended after `capacity` columns (used to answer many questions from one cache)."""
-        for name in ("keys", "values", "positions", "rope_positions", "valid"):
-            setattr(self, name, getattr(self, name)[:, :capacity])
+        self._used = min(self._used, capacity)
         self.extras = {name: extra[:, :capacity] for name, extra in self.extras.items()}
 
     def clone(self) -> LayerCache:
