@@ -73,11 +73,12 @@ class ModelAdapter:
         """Move post-RoPE keys by `delta` positions (per entry). Exact for any RoPE whose variants only change the
         frequencies (plain, linear, llama3, YaRN): a rotation by p followed by one by delta is one by p + delta."""
         inv_freq, _ = self.inv_freq(layer_idx)
-        angles = delta.to(torch.float64)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)
-        angles = torch.cat((angles, angles), dim=-1)
-        k = keys.to(torch.float64)
-        rotated = k * angles.cos() + _rotate_half(k) * angles.sin()
-        return rotated.to(keys.dtype)
+        # float32 is enough: after the first compaction, deltas are at most a chunk or two.
+        angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float32)
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        k = keys.to(torch.float32)
+        return (k * cos + _rotate_half(k) * sin).to(keys.dtype)
 
     # ---- the read-out (used by the KL estimator) ------------------------------------------------------------
     @property

@@ -21,7 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from klevict_cli import __version__
 from klevict_cli.errors import KlevictError, UsageError
-from klevict_cli.options import check_choice, check_positive_int, load_config, merge_options, parse_budget
+from klevict_cli.options import (
+    check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size,
+)
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 130 interrupted (Ctrl-C);
@@ -56,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "probe_window": 32,
     "json": False,
     "quiet": False,
+    "max_memory": None,
 }
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -78,6 +81,8 @@ ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last token
                                               "always kept (default 32).")]
 JsonOpt = Annotated[bool | None, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
+MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
+                                                "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 
 
@@ -184,12 +189,16 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
     from klevict_cli.session import ReadSettings
 
     budget = parse_budget(str(opts["budget"]))
-    document = load_document(source)
-    session = session_for(opts)
     settings = ReadSettings(
         budget=budget, method=opts["method"], chunk_size=opts["chunk_size"], probe_window=opts["probe_window"],
         position_mode=opts["position_mode"], seed=opts["seed"], max_new_tokens=opts["max_new_tokens"],
+        max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
+    document = load_document(source)
+    session = session_for(opts)
+    if settings.chunk_size > session.adapter.max_positions:
+        raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
+                         f" {session.adapter.max_positions} positions")
     with progress_bar(opts["quiet"]) as bar:
         task = bar.add_task(f"reading {document.name}", total=None)
         result = session.read(document, settings, lambda done, total: bar.update(task, completed=done, total=total),
@@ -230,7 +239,7 @@ def summarize(
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
-    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
@@ -239,7 +248,7 @@ def summarize(
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, position_mode=position_mode, probe_window=probe_window, json=json_out,
-                           quiet=quiet, prompt=prompt)
+                           quiet=quiet, prompt=prompt, max_memory=max_memory)
     session, result = read_document(opts, file)
     gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
     answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
@@ -261,14 +270,15 @@ def compress(
     probe_window: ProbeOpt = None,
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16 "
                                                     "or bfloat16 (default: the model's dtype).")] = None,
-    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read and compress a document; write the cache to a .kvc file (atomically)."""
     import torch
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
-                           cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output)
+                           cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
+                           max_memory=max_memory)
     if not opts.get("output"):
         raise UsageError("missing --output/-o: where to write the .kvc file")
     output = Path(opts["output"])

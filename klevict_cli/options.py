@@ -42,6 +42,7 @@ OPTION_TYPES: dict[str, type] = {
     "json": bool,
     "quiet": bool,
     "output": str,
+    "max_memory": str,
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
@@ -218,3 +219,15 @@ def check_positive_int(name: str, value: object, maximum: int | None = None) -> 
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+_SIZE_RE = re.compile(r"(?P<number>\d+(?:\.\d*)?)\s*(?P<unit>[kmgt]?)i?b?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(name: str, text: str) -> int:
+    """Bytes from '512M', '4G', '1.5GiB', '2000000'."""
+    match = _SIZE_RE.fullmatch(str(text).strip())
+    if not match or float(match["number"]) <= 0:
+        raise UsageError(f"invalid --{_flag(name)} '{text}'; use a size like 512M, 4G or 1.5GiB")
+    return int(float(match["number"]) * _SIZE_UNITS[match["unit"].lower()])

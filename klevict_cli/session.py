@@ -39,6 +39,7 @@ class ReadSettings:
     position_mode: str = "auto"
     seed: int = 0
     max_new_tokens: int = 256  # planned answer length (room reserved in the positions)
+    max_memory: int | None = None  # bytes; refuse up front what would not fit
 
 
 @dataclass
@@ -90,6 +91,14 @@ class Session:
         room = reserve if reserve is not None else QUESTION_ROOM + settings.max_new_tokens
         plan = plan_positions(len(ids), budget, settings.chunk_size, room, self.adapter.max_positions,
                               settings.position_mode)
+        if settings.max_memory is not None:
+            need = self.estimate_peak_bytes(plan.budget or len(ids), settings.chunk_size)
+            if need > settings.max_memory:
+                raise ResourceError(
+                    f"reading needs about {need / 2**30:.2f} GiB (model + cache of {plan.budget or len(ids)} tokens +"
+                    f" a {settings.chunk_size}-token chunk), over --max-memory {settings.max_memory / 2**30:.2f} GiB;"
+                    " lower --budget or --chunk-size"
+                )
         engine = self.engine(settings.method, plan.budget, settings, plan.mode)
         stream = engine.new_stream()
         done = 0
@@ -104,6 +113,20 @@ class Session:
         engine.feed(stream, ids, progress=tick)
         return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
                           list(plan.notes))
+
+    def estimate_peak_bytes(self, kept: int, chunk: int) -> int:
+        """Upper estimate of resident bytes while reading: weights, the cache at its largest (kept + chunk entries
+        per head), the chunk's attention scores and activations. Used to fail up front, not after an hour."""
+        model = self.lm.model
+        itemsize = next(model.parameters()).element_size()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        shapes = self.adapter.layer_shapes()
+        per_token = sum(s.kv_heads * (s.key_dim + s.value_dim) for s in shapes) * itemsize
+        cache = (kept + chunk) * per_token
+        cfg = model.config
+        scores = max(s.query_heads for s in shapes) * chunk * (kept + chunk) * 4 * 3  # mask, scores, weights
+        hidden = chunk * max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0) * 4 * 8
+        return int(weights + cache + scores + hidden + 300 * 2**20)  # + the Python/torch runtime
 
     # ---- answering -----------------------------------------------------------------------------------------
     def answer(

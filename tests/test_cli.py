@@ -674,3 +674,17 @@ def test_no_arguments_shows_help():
     result = invoke()
     assert "summarize" in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_max_memory_refuses_up_front_with_the_estimate(doc, model):
+    line = assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "1M"),
+                        6, "--max-memory")
+    assert "GiB" in line
+    assert not (doc.parent / "mem.kvc").exists()
+    assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "lots"), 2)
+    assert_ok(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "8G",
+                     "--budget", "64", "--chunk-size", "32"))
+
+
+def test_chunk_size_beyond_the_context_is_refused(doc, model):
+    assert_error(invoke("summarize", doc, "--model", model, "--chunk-size", "100000"), 2, "--chunk-size")
