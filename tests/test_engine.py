@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapters import adapter_for
@@ -12,41 +11,7 @@ from klevict_cli.engine import Engine, plan_positions
 from klevict_cli.errors import ResourceError
 from klevict_cli.policies import make_policy
 from tests.conftest import tiny_llama
-
-# ---- a reference attention: plain eager softmax over a per-layer, per-KV-head visibility mask -----------------
-_REFERENCE_MASKS: dict[int, torch.Tensor] = {}
-
-
-def _masked_reference(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    visible = _REFERENCE_MASKS[module.layer_idx]  # (H_kv, T, T)
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1).double()
-    v = value.repeat_interleave(groups, dim=1).double()
-    scores = (query.double() @ k.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~visible.repeat_interleave(groups, dim=0)[None], float("-inf"))
-    out = scores.softmax(-1) @ v
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("klevict_test_reference", _masked_reference)
-
-
-def reference_logits(model, ids: list[int], masks: dict[int, torch.Tensor]) -> torch.Tensor:
-    _REFERENCE_MASKS.clear()
-    _REFERENCE_MASKS.update(masks)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("klevict_test_reference")
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def causal_masks(model, n: int) -> dict[int, torch.Tensor]:
-    shapes = adapter_for(model).layer_shapes()
-    base = torch.ones(n, n, dtype=torch.bool).tril()
-    return {i: base.expand(s.kv_heads, n, n).clone() for i, s in enumerate(shapes)}
+from tests.reference import causal_masks, reference_logits
 
 
 @pytest.fixture(scope="module")

