@@ -47,6 +47,7 @@ class Plan:
     mode: str
     budget: int | None  # kept entries per KV head; None keeps everything
     notes: list[str] = field(default_factory=list)
+    head_cap: int | None = None  # compact mode: most entries any one head may keep (they must fit the positions)
 
 
 def plan_positions(
@@ -85,7 +86,8 @@ def plan_positions(
             budget = room
     if budget is not None and budget >= n_tokens:
         budget = None if mode == "original" else budget
-    return Plan(mode, budget, notes)
+    head_cap = max_positions - max(chunk_size, reserve) if mode == "compact" else None
+    return Plan(mode, budget, notes, head_cap)
 
 
 class Engine:
@@ -101,6 +103,7 @@ class Engine:
         probe_window: int = 32,
         mode: str = "original",
         seed: int = 0,
+        head_cap: int | None = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -109,6 +112,7 @@ class Engine:
         self.chunk_size = chunk_size
         self.probe_window = probe_window
         self.mode = mode
+        self.head_cap = head_cap
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
@@ -223,7 +227,7 @@ class Engine:
             protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
             scores = self.policy.score_layers(step, list(scored))
             if self.policy.allocation == "global":
-                masks = select_global(scored, scores, budget, protect, min_per_head=w)
+                masks = select_global(scored, scores, budget, protect, min_per_head=w, max_per_head=self.head_cap)
             else:
                 budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
                 masks = {

@@ -70,10 +70,12 @@ class Session:
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
 
-    def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str) -> Engine:
+    def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
+               head_cap: int | None = None) -> Engine:
         return Engine(
             self.lm.model, self.adapter, make_policy(method), budget,
             chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
+            head_cap=head_cap,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ class Session:
                     f" a {settings.chunk_size}-token chunk), over --max-memory {settings.max_memory / 2**30:.2f} GiB;"
                     " lower --budget or --chunk-size"
                 )
-        engine = self.engine(settings.method, plan.budget, settings, plan.mode)
+        engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap)
         stream = engine.new_stream()
         done = 0
 

@@ -135,3 +135,22 @@ def test_decode_eviction_keeps_the_cache_within_budget_plus_slack():
     assert max(held) <= 40 + 3 + 16 + 1  # the budget grows by the prompt (never evicted), plus the slack
     assert min(held[100:]) < max(held)  # and it really was re-compressed
     assert stream.next_position == 120 + 3 + 150 - 1  # the last sampled token is not fed back
+
+
+def test_global_allocation_in_compact_mode_never_lets_one_head_outgrow_the_positions():
+    from klevict_cli.engine import plan_positions
+
+    plan = plan_positions(500, 40, chunk_size=32, reserve=32, max_positions=128)
+    assert plan.mode == "compact" and plan.head_cap == 96  # positions left beside a chunk / question
+    model = tiny_llama(seed=5, max_position_embeddings=128)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (500,)).tolist()
+    heads = {}
+    for cap in (None, 42):
+        engine = Engine(model, adapter_for(model), KL(), budget=40, chunk_size=32, probe_window=8, mode="compact",
+                        head_cap=cap)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        heads[cap] = (max(max(c) for c in stream.cache.kept_counts()), stream.next_rope)
+    assert heads[None][0] > 42  # global allocation does give some head more than this ...
+    assert heads[42][0] <= 42 and heads[42][1] <= 42  # ... unless capped, and positions follow the cap

@@ -67,15 +67,19 @@ def select_keep(layer: LayerCache, scores: torch.Tensor, budget: int, protect: t
 
 def select_global(
     layers: dict[int, LayerCache], scores: dict[int, torch.Tensor], budget: int, protect: dict[int, torch.Tensor],
-    min_per_head: int,
+    min_per_head: int, max_per_head: int | None = None,
 ) -> dict[int, torch.Tensor]:
     """Keep `budget` entries per head on average, chosen by one top-k over every layer and head: scores must be
     comparable across layers (the KL policy's are, in nats). Protected entries and each head's `min_per_head` best
-    entries are always kept, so no head is emptied."""
+    entries are always kept, so no head is emptied; no head keeps more than `max_per_head` (in `compact` mode a
+    head's entries must fit the model's positions)."""
     flat, owners = [], []
     for idx, layer in layers.items():
         s = scores[idx].float().masked_fill(~layer.valid, float("-inf"))
         s = s.masked_fill(protect[idx] & layer.valid, float("inf"))
+        if max_per_head is not None and layer.capacity > max_per_head:
+            beyond = s.topk(layer.capacity - max_per_head, dim=1, largest=False).indices
+            s = s.scatter(1, beyond, float("-inf"))
         k = min(min_per_head, layer.capacity)
         if k:
             floor = s.topk(k, dim=1).indices
