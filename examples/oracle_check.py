@@ -20,15 +20,9 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.documents import load_document
 from klevict_cli.engine import Engine
 from klevict_cli.models import load_model
-from klevict_cli.oracle import float64_copy, leave_one_out_kl
+from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies.kl import KL, calibration_ratios
 from klevict_cli.session import Session
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra, rb = a.double().argsort().argsort().double(), b.double().argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget
 from klevict_cli.policies import make_policy
-from klevict_cli.prompts import _bos
+from klevict_cli.prompts import bos_ids
 
 TASKS = ("fidelity", "needle", "both")
 Z95 = 1.96  # normal approximation for the 95 % interval of a mean over windows
@@ -226,7 +226,7 @@ def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
 
 
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick) -> dict:
-    bos = _bos(session.lm.tokenizer)
+    bos = bos_ids(session.lm.tokenizer)
     body = settings.context - len(bos)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
     labels = list(dict.fromkeys(label for _, label in engines))

@@ -54,3 +54,10 @@ def leave_one_out_kl(model64, stream: Stream, probes: int, entries: list[tuple[i
         logp = run(trial)
         out.append((reference.exp() * (reference - logp)).sum())
     return torch.stack(out)
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Rank correlation of an estimate with the oracle (no ties expected in continuous scores)."""
+    ra, rb = a.double().argsort().argsort().double(), b.double().argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))

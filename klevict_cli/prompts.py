@@ -34,7 +34,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def frame_for(tokenizer) -> PromptFrame:
-    bos = _bos(tokenizer)
+    bos = bos_ids(tokenizer)
     if getattr(tokenizer, "chat_template", None):
         question = "\u2063QUESTION\u2063"
         rendered = tokenizer.apply_chat_template(
@@ -48,7 +48,7 @@ def frame_for(tokenizer) -> PromptFrame:
     return PromptFrame("", "\n\nQuestion: ", "\nAnswer:", bos)
 
 
-def _bos(tokenizer) -> list[int]:
+def bos_ids(tokenizer) -> list[int]:
     """Keep the BOS token the tokenizer would add on its own (Llama-style models expect it)."""
     ids = tokenizer("a")["input_ids"]
     if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:

@@ -50,6 +50,16 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads: on a busy 2-core box OpenMP hand-offs and spin-waits make small calls
+    tens of times slower. Modules of tiny-model tests opt in with `pytestmark = pytest.mark.usefixtures(...)`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -39,12 +39,7 @@ SETTINGS = dict(methods=["snapkv", "h2o"], budgets=["100%", "20%"], windows=2, c
                 chunk_size=64, probe_window=8, task="both")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -99,13 +99,7 @@ def save_model(folder: Path, seed: int = 0, **config) -> Path:
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A tiny model gains nothing from threads, and on a busy 2-core box OpenMP spin-waits make calls 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ from klevict_cli.oracle import float64_copy, leave_one_out_kl
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
 from tests.reference import eviction_vs_masking
-from tests.test_kl import spearman
+from klevict_cli.oracle import spearman
 
 VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -90,14 +90,7 @@ ADAPTER_CLASSES = {"qwen2": ModelAdapter, "qwen3": ModelAdapter, "mistral": Mode
                    "deepseek_v3": MLAAdapter}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On models this small, thread hand-offs and spin-waits cost more than the work: 256 Fisher backward passes take
-    ~0.3 s on one thread and several seconds on two busy ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build(name: str, seed: int = 0):

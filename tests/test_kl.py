@@ -10,17 +10,10 @@ from kernels.kl import kl_scores, removal_coefficients
 from klevict_cli.adapters import adapter_for
 from klevict_cli.cache import LayerCache
 from klevict_cli.engine import Engine
-from klevict_cli.oracle import float64_copy, leave_one_out_kl
+from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies import select_global
 from klevict_cli.policies.kl import KL
 from tests.conftest import tiny_llama
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra = a.double().argsort().argsort().double()
-    rb = b.double().argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
 def test_removing_one_entry_changes_the_head_output_by_the_closed_form():

@@ -18,12 +18,7 @@ from tests.conftest import tiny_llama
 BASELINES = ["streaming", "snapkv", "pyramidkv", "h2o", "tova", "value", "caote", "keydiff", "knorm", "random"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
