@@ -66,6 +66,37 @@ def attention_mask(cache_layer, query_positions: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
+def _can_split(layer, query, value) -> bool:
+    """Whether a chunk may be attended as "every kept past entry, then the chunk causally" (see below); the fused
+    CPU kernel needs one head size for queries, keys and values (MLA's differ)."""
+    return (layer.window is None and query.shape[2] > 1 and query.device.type == "cpu"
+            and query.shape[-1] == value.shape[-1] and not torch.is_grad_enabled())
+
+
+def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
+    """Attention of a chunk over a ragged cache without a (T × C) mask.
+
+    Every kept past entry precedes every query of the chunk, so the past needs only a per-entry mask that broadcasts
+    over the chunk's rows, and the chunk itself is plain causal attention. The two partial softmaxes are merged by
+    their log-sum-exps. On a CPU this is about 1.5× faster than one masked call, whose cost is dominated by the
+    (heads × T × C) mask. The fused CPU kernel is the one that returns the log-sum-exp.
+    """
+    t = query.shape[2]
+    past = k.shape[2] - t
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    chunk_out, chunk_lse = flash(query, k[:, :, past:], v[:, :, past:], is_causal=True, scale=scaling)[:2]
+    if past == 0:
+        return chunk_out
+    valid = past_valid.repeat_interleave(groups, dim=0)  # (Hq, P)
+    bias = torch.zeros(valid.shape, dtype=query.dtype, device=query.device).masked_fill_(~valid, float("-inf"))
+    past_out, past_lse = flash(query, k[:, :, :past], v[:, :, :past], attn_mask=bias[None, :, None], scale=scaling)[:2]
+    # A head with no kept past gets output 0 and log-sum-exp 0 from the kernel: give it no weight instead.
+    past_lse = past_lse.masked_fill(~valid.any(dim=1)[None, :, None], float("-inf"))
+    total = torch.logaddexp(past_lse, chunk_lse)
+    past_weight = torch.exp(past_lse - total)[..., None].to(query.dtype)
+    return past_out * past_weight + chunk_out * (1 - past_weight)
+
+
 def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
     ctx = _current.get()
     if ctx is None:  # a plain forward of the same model (e.g. a reference in a test): behave like sdpa
@@ -86,17 +117,23 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     groups = query.shape[1] // key.shape[1]
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
-    allowed = attention_mask(layer, ctx.query_positions).repeat_interleave(groups, dim=0)[None]
     k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (1, Hq, T, Dv)
+    if _can_split(layer, query, value):
+        allowed = None
+        out = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups, scaling)
+    else:
+        allowed = attention_mask(layer, ctx.query_positions).repeat_interleave(groups, dim=0)[None]
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (1, Hq, T, Dv)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.probe_rows:
         w = min(ctx.probe_rows, query.shape[2])
         q = query[0, :, -w:]
         logits = torch.matmul(q.float(), k[0].float().transpose(1, 2)) * scaling
-        logits = logits.masked_fill(~allowed[0, :, -w:], float("-inf"))
+        rows = (attention_mask(layer, ctx.query_positions[-w:]).repeat_interleave(groups, dim=0) if allowed is None
+                else allowed[0, :, -w:])
+        logits = logits.masked_fill(~rows, float("-inf"))
         ctx.probes[layer_idx] = LayerProbe(query=q, weights=logits.softmax(dim=-1), output=out[0, :, -w:])
     return out.transpose(1, 2).contiguous(), None
 
