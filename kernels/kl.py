@@ -30,7 +30,8 @@ def kl_scores(
     weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv), or
     already per query head (Hq, C, Dv) (MLA: one cached entry expands to a different value for every head);
     readout (W, R, Hq, Dv) metric factors in head-output space. Returns (H_kv, C).
-    Memory-bound on CPU: one (Hq, W, R, C) work tensor, updated in place.
+    One batched matmul gives e·(o - v_j) directly — e is extended by e·o and v_j by -1 — into a (Hq, W, R, C)
+    work tensor that is then updated in place; the matmul dominates the cost.
     """
     hq, w, c = weights.shape
     r = readout.shape[1]
@@ -38,18 +39,18 @@ def kl_scores(
     dtype = readout.dtype
     e = readout.permute(2, 0, 1, 3)  # (Hq, W, R, Dv)
     e_o = torch.einsum("hwrd,hwd->hwr", e, outputs.to(dtype))  # (Hq, W, R)
-    # e·v_j for every query head, grouped so that each KV head's values are used once (no repeat over the group).
+    # Grouped so that each KV head's values are used once (no repeat over the group).
     value_heads = values.shape[0]  # H_kv, or Hq when the values are already per query head
-    e_grouped = e.reshape(value_heads, hq // value_heads * w * r, -1)
-    y = torch.bmm(e_grouped, values.to(dtype).transpose(1, 2)).view(hq, w, r, c)  # (Hq, W, R, C) = e·v
-    y.neg_().add_(e_o[..., None])  # e·(o - v_j)
+    e_ext = torch.cat((e, e_o[..., None]), dim=-1).reshape(value_heads, hq // value_heads * w * r, -1)
+    v_ext = torch.cat((-values.to(dtype).transpose(1, 2), values.new_ones(value_heads, 1, c, dtype=dtype)), dim=1)
+    y = torch.bmm(e_ext, v_ext).view(hq, w, r, c)  # e·(o - v_j)
     y.mul_(removal_coefficients(weights.to(dtype), clamp)[:, :, None, :])  # × a/(1-a)
     y = y.view(kv_heads, groups, w, r, c).sum(dim=1) if groups > 1 else y  # fold the group before squaring
     return 0.5 * y.square_().sum(dim=(1, 2))
 
 
 def direct_readout(
-    residuals: torch.Tensor, logits: torch.Tensor, norm_jacobian: torch.Tensor, unembedding: torch.Tensor,
+    residuals: torch.Tensor, logits: torch.Tensor, final_norm: torch.nn.Module, unembedding: torch.Tensor,
     top_k: int = 64, rank: int = 8, jacobian_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-probe factors of the direct-path metric on the final residual stream. Returns (W, rank, d).
@@ -68,7 +69,7 @@ def direct_readout(
     if jacobian_scale is not None:
         u = u * jacobian_scale.float().gather(1, top)[..., None]
     centred = u - torch.einsum("wk,wkd->wd", p, u)[:, None, :]  # (I - 1pᵀ) U_k
-    r_mat = p.sqrt()[..., None] * torch.bmm(centred, norm_jacobian.float())  # (W, k, d)
+    r_mat = p.sqrt()[..., None] * through_norm(final_norm, residuals, centred)  # (W, k, d)
     gram = torch.bmm(r_mat, r_mat.transpose(1, 2)).double()  # (W, k, k)
     _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
     top_vectors = vectors[..., -min(rank, gram.shape[-1]) :].flip(-1).float()  # (W, k, rank)
@@ -82,13 +83,19 @@ def to_head_space(factors: torch.Tensor, o_proj_weight: torch.Tensor, query_head
     return e.view(w, r, query_heads, -1)
 
 
-def norm_jacobian(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """(W, d, d) Jacobians of the final norm at each probe's residual (RMSNorm, Gemma's (1+γ) RMSNorm, LayerNorm:
-    whatever the module computes), by forward-mode autodiff."""
-    x = x.detach().float().clone()
+def through_norm(norm: torch.nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows (W, k, d) times the Jacobian of the final norm at each probe's residual x (W, d): (W, k, d).
+
+    One vector-Jacobian product per row (k of them) instead of the full d × d Jacobian (d forward-mode passes);
+    works for whatever the module computes (RMSNorm, Gemma's (1+γ) RMSNorm, LayerNorm)."""
+    dtype = next(norm.parameters()).dtype
 
     def f(row: torch.Tensor) -> torch.Tensor:
-        return norm(row[None, None].to(next(norm.parameters()).dtype))[0, 0].float()
+        return norm(row[None, None].to(dtype))[0, 0].float()
+
+    def one_probe(x_w: torch.Tensor, rows_w: torch.Tensor) -> torch.Tensor:
+        _, pull_back = torch.func.vjp(f, x_w)
+        return torch.func.vmap(pull_back)(rows_w)[0]
 
     with torch.inference_mode(False):
-        return torch.func.vmap(torch.func.jacfwd(f))(x.clone()).detach()
+        return torch.func.vmap(one_probe)(x.detach().float().clone(), rows.detach().clone()).detach()

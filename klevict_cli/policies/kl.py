@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernels.kl import direct_readout, kl_scores, norm_jacobian, to_head_space
+from kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.policies.base import EvictionStep, Policy
 
 
@@ -51,8 +51,7 @@ class KL(Policy):
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         adapter = step.adapter
-        jac = norm_jacobian(adapter.final_norm, step.residuals)
-        factors = direct_readout(step.residuals, step.logits, jac, adapter.unembedding.weight, self.top_k, self.rank,
+        factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight, self.top_k, self.rank,
                                  jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
