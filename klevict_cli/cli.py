@@ -383,6 +383,7 @@ def bench(
     """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
     from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
     from klevict_cli.documents import load_document
+    from klevict_cli.files import write_atomically
     from klevict_cli.policies import POLICIES
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
@@ -406,7 +407,10 @@ def bench(
                            lambda done, total, label: bar.update(job, completed=done, total=total, description=label))
     render(result, out)
     if json_path is not None:
-        json_path.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        try:
+            write_atomically(json_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
+        except OSError as exc:
+            raise UsageError(f"--json {json_path}: cannot write it ({exc.strerror or exc})") from None
         note(opts, f"wrote {json_path}")
 
 

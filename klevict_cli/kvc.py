@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import safetensors.torch
 import torch
 
 from klevict_cli.errors import CacheFileError
+from klevict_cli.files import write_atomically
 
 FORMAT = "klevict-kvc"
 FORMAT_VERSION = "1"
@@ -158,37 +158,10 @@ def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:
 
 
 def _write_atomically(path: Path, blob: bytes) -> None:
-    """Readers see the old file or the new one, never half of one; an interrupted write leaves no debris."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        write_atomically(path, blob)
     except OSError as exc:
         raise _error(path, f"cannot write the cache ({exc.strerror or exc})") from exc
-    _sync_directory(path.parent)
-
-
-def _sync_directory(directory: Path) -> None:
-    """Make the rename itself durable; best effort, as not every file system can sync a directory."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- loading --------------------------------------------------------------------------------------------------

@@ -146,8 +146,10 @@ class Session:
                 f" after the cache (next position {work.next_rope}); recompress with a smaller budget"
             )
         max_new = min(gen.max_new_tokens, room)
+        # Compact mode: decode-phase eviction must leave every head short enough for the rest of the answer.
+        head_cap = self.adapter.max_positions - max_new if mode == "compact" else None
         engine = Engine(self.lm.model, self.adapter, make_policy(method), budget, chunk_size=max(len(suffix), 1),
-                        mode=mode, seed=seed)
+                        mode=mode, seed=seed, head_cap=head_cap)
         start = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
