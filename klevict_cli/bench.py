@@ -76,10 +76,11 @@ class Fact:
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
 def parse_methods(text: str, registry) -> list[str]:
-    """`all` = every registered method except `none` (the reference, always measured); else a comma list."""
+    """`all` = every registered method except `none` (the reference, always measured) and variants of another
+    method (kl-fisher, kl-layer: name them); else a comma list."""
     names = [m.strip() for m in text.split(",") if m.strip()]
     if names == ["all"]:
-        return [name for name in registry if name != "none"]
+        return [name for name, cls in registry.items() if name != "none" and not cls.variant]
     if not names:
         raise UsageError("invalid --methods ''; give a comma-separated list of methods, or all")
     for name in names:

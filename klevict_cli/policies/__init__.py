@@ -10,9 +10,9 @@ from klevict_cli.policies.attention_based import H2O, TOVA, PyramidKV
 from klevict_cli.policies.key_based import KeyDiff, KNorm
 from klevict_cli.policies.output_based import CAOTE, ValueNorm
 from klevict_cli.policies.random_choice import RandomChoice
-from klevict_cli.policies.kl import KL
+from klevict_cli.policies.kl import KL, KLFisher, KLLayer
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (KL, FullCache, Streaming, SnapKV)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (KL, KLFisher, KLLayer, FullCache, Streaming, SnapKV)}
 # Baselines for `klevict bench` (and usable as --method anywhere).
 POLICIES.update({cls.name: cls for cls in (PyramidKV, H2O, TOVA, ValueNorm, CAOTE, KeyDiff, KNorm, RandomChoice)})
 

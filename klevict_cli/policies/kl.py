@@ -43,7 +43,8 @@ class KL(Policy):
         if self.propagation == "fisher":
             return self.fisher_scores(step, layer_ids)
         scores = self.direct_scores(step, layer_ids)
-        if self.calibrate and self.calibration is None:
+        if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
+            # changes nothing inside a layer, so only global allocation needs it
             self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step)
         if self.calibration is not None:
             scores = {i: s * self.calibration[i][:, None] for i, s in scores.items()}
@@ -84,3 +85,24 @@ def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.
         ratio = (fisher[i][candidates] / d[candidates]).median() if candidates.any() else torch.tensor(1.0)
         ratios[i] = ratio.expand(d.shape[0]).to(d.dtype)
     return ratios
+
+
+class KLFisher(KL):
+    """`kl-fisher`: `kl` with the Fisher propagation at every eviction (a backward pass each time; slower)."""
+
+    name = "kl-fisher"
+    variant = True
+
+    def __init__(self):
+        super().__init__(propagation="fisher")
+
+
+class KLLayer(KL):
+    """`kl-layer`: `kl` scores, but every layer and head keeps the same count (no global allocation)."""
+
+    name = "kl-layer"
+    variant = True
+
+    def __init__(self):
+        super().__init__(allocation="layer")
+
