@@ -50,7 +50,7 @@ class BenchSettings:
     methods: list[str]
     budgets: list[str]  # as given: "20%", "512", ...
     windows: int = 8
-    context: int = 4096
+    context: int = 2048
     continuation: int = 256
     seed: int = 0
     chunk_size: int = 512

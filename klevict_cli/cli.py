@@ -370,7 +370,7 @@ def bench(
                                          "(20%) or a token count.")] = "20%,10%,5%,2%",
     windows: Annotated[int, typer.Option("--windows", help="Document windows (and needle haystacks) to measure."
                                          )] = 8,
-    context: Annotated[int, typer.Option("--context", help="Tokens read (and compressed) per window.")] = 4096,
+    context: Annotated[int, typer.Option("--context", help="Tokens read (and compressed) per window.")] = 2048,
     continuation: Annotated[int, typer.Option("--continuation", help="Tokens teacher-forced after the context."
                                               )] = 256,
     task: Annotated[str, typer.Option("--task", help="fidelity (KL, top-1, perplexity, cost), needle (retrieval "

@@ -165,6 +165,8 @@ class Engine:
             logits, ctx = self.forward(stream, chunk, probe_rows=rows)
             if must_evict:
                 self.evict(stream, ctx, logits, recent)
+            elif evict:
+                self.trim_windows(stream)
             if progress is not None:
                 progress(len(chunk))
         if logits is None:
@@ -187,12 +189,16 @@ class Engine:
 
     def _over_budget(self, stream: Stream, incoming: int) -> bool:
         """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than `budget` entries
-        per head in total (sliding-window layers are trimmed after every chunk regardless)."""
+        per head in total (sliding-window layers are trimmed after every chunk regardless, without scoring)."""
         if self.budget is None:
             return False
-        if any(layer.window is not None for layer in stream.cache.layers):
-            return True
         return self.held_per_head(stream) + incoming > self.budget
+
+    def trim_windows(self, stream: Stream) -> None:
+        """Drop what sliding-window layers can no longer see (nothing to score: the window decides)."""
+        for layer in stream.cache.layers:
+            if layer.window is not None and layer.capacity > layer.window:
+                layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
@@ -219,9 +225,7 @@ class Engine:
         budget = self.budget if budget is None else budget
         w = min(recent, stream.next_position)
         step = self.eviction_step(stream, ctx, logits, w)
-        for layer in stream.cache.layers:
-            if layer.window is not None:
-                layer.keep(layer.rope_positions > stream.next_rope - layer.window)
+        self.trim_windows(stream)
         scored = self._scored_layers(stream)
         if budget is not None and scored:
             protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
