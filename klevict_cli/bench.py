@@ -398,6 +398,21 @@ def _cell(text: str, bold: bool) -> str:
     return f"[bold green]{text}[/]" if bold else text
 
 
+def _method_table(console: Console, block: dict, labels: list[str], cell, title: str, caption: str = "",
+                  metric: str | None = None, lower: bool = False, headers: list[str] | None = None) -> None:
+    """One table: a row per method, a column per budget; `cell(row)` formats a budget's numbers and, given a
+    `metric`, the best mean per column is marked."""
+    table = Table(title=title, caption=caption or None)
+    table.add_column("method")
+    for header in headers or labels:
+        table.add_column(header, justify="right")
+    best = _best(block, metric, lower) if metric else {}
+    for method, per in block["results"].items():
+        table.add_row(method, *[_cell(cell(per[b]), metric is not None and _is(per[b][metric]["mean"], best.get(b)))
+                                for b in labels])
+    console.print(table)
+
+
 def render(result: dict, console: Console) -> None:
     settings = result["settings"]
     labels = list(settings["budget_tokens"])
@@ -406,49 +421,27 @@ def render(result: dict, console: Console) -> None:
     fid = result.get("fidelity")
     if fid is not None:
         full = fid["full"]
-        table = Table(title=f"KL(full ‖ compressed), nats/token, mean ± 95% — {head}",
-                      caption=f"context {settings['context']} + continuation {fid['continuation_tokens']} tokens; "
-                              f"full-cache perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold")
-        table.add_column("method")
-        for label in labels:
-            table.add_column(f"{label} ({settings['budget_tokens'][label]})", justify="right")
-        best = _best(fid, "kl", lower=True)
-        for method, per in fid["results"].items():
-            table.add_row(method, *[_cell(_pm(per[b]["kl"], ".4f"), _is(per[b]["kl"]["mean"], best.get(b)))
-                                    for b in labels])
-        console.print(table)
-        table = Table(title="top-1 agreement with the full cache · perplexity")
-        table.add_column("method")
-        for label in labels:
-            table.add_column(label, justify="right")
-        best = _best(fid, "top1", lower=False)
-        for method, per in fid["results"].items():
-            table.add_row(method, *[_cell(f"{100 * per[b]['top1']['mean']:.1f}% · {per[b]['perplexity']['mean']:.2f}",
-                                          _is(per[b]["top1"]["mean"], best.get(b))) for b in labels])
-        console.print(table)
-        table = Table(title="cost: read time vs the full cache (same chunks) · cache kept",
-                      caption=f"full cache: {full['seconds']['mean']:.3f} s per window, "
-                              f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
-        table.add_column("method")
-        for label in labels:
-            table.add_column(label, justify="right")
-        for method, per in fid["results"].items():
-            table.add_row(method, *[f"{per[b]['time_ratio']['mean']:.2f}× · {per[b]['cache_bytes']['mean'] / 1e6:.2f} MB"
-                                    f" (peak {per[b]['peak_cache_bytes']['mean'] / 1e6:.2f})" for b in labels])
-        console.print(table)
+        _method_table(console, fid, labels, lambda row: _pm(row["kl"], ".4f"),
+                      f"KL(full ‖ compressed), nats/token, mean ± 95% — {head}",
+                      f"context {settings['context']} + continuation {fid['continuation_tokens']} tokens; full-cache "
+                      f"perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold", metric="kl", lower=True,
+                      headers=[f"{label} ({settings['budget_tokens'][label]})" for label in labels])
+        _method_table(console, fid, labels,
+                      lambda row: f"{100 * row['top1']['mean']:.1f}% · {row['perplexity']['mean']:.2f}",
+                      "top-1 agreement with the full cache · perplexity", metric="top1")
+        _method_table(console, fid, labels,
+                      lambda row: f"{row['time_ratio']['mean']:.2f}× · {row['cache_bytes']['mean'] / 1e6:.2f} MB"
+                                  f" (peak {row['peak_cache_bytes']['mean'] / 1e6:.2f})",
+                      "cost: read time vs the full cache (same chunks) · cache kept",
+                      f"full cache: {full['seconds']['mean']:.3f} s per window, "
+                      f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
     needle = result.get("needle")
     if needle is not None:
         n = sum(len(h["facts"]) for h in needle["haystacks"])
-        table = Table(title=f"needle retrieval: exact-match accuracy ({n} facts)",
-                      caption=f"full cache: {100 * needle['full']['accuracy']['mean']:.1f}%; best per column in bold")
-        table.add_column("method")
-        for label in labels:
-            table.add_column(label, justify="right")
-        best = _best(needle, "accuracy", lower=False)
-        for method, per in needle["results"].items():
-            table.add_row(method, *[_cell(f"{100 * per[b]['accuracy']['mean']:.1f}%",
-                                          _is(per[b]["accuracy"]["mean"], best.get(b))) for b in labels])
-        console.print(table)
+        _method_table(console, needle, labels, lambda row: f"{100 * row['accuracy']['mean']:.1f}%",
+                      f"needle retrieval: exact-match accuracy ({n} facts)",
+                      f"full cache: {100 * needle['full']['accuracy']['mean']:.1f}%; best per column in bold",
+                      metric="accuracy")
 
 
 def _is(value, best) -> bool:
