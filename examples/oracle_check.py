@@ -12,17 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 
 import torch
 
 from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.bench import summary as mean_ci
 from klevict_cli.documents import load_document
 from klevict_cli.engine import Engine
 from klevict_cli.models import load_model
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies.kl import KL, calibration_ratios
 from klevict_cli.session import Session
+
+
+ESTIMATORS = ("direct", "direct_rank4", "direct_calibrated", "per_head", "fisher4", "fisher16")
 
 
 def main() -> None:
@@ -56,9 +59,12 @@ def main() -> None:
             logits, ctx = engine.forward(stream, text[args.context :], probe_rows=w)
             step = engine.eviction_step(stream, ctx, logits, w)
             direct = KL(calibrate=False).direct_scores(step, layers)
+            rank4 = KL(calibrate=False, rank=4).direct_scores(step, layers)
             fisher16 = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
             fisher4 = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
             calibrated = {i: direct[i] * r[:, None] for i, r in calibration_ratios(direct, fisher4, step).items()}
+            per_head = {i: direct[i] * r[:, None]
+                        for i, r in calibration_ratios(direct, fisher4, step, per_head=True).items()}
         for layer in layers:
             cache_layer = stream.cache.layers[layer]
             candidates = [(h, c) for h in range(cache_layer.keys.shape[0])
@@ -66,28 +72,30 @@ def main() -> None:
             entries = [(layer, h, c) for h, c in rng.sample(candidates, min(args.entries, len(candidates)))]
             truth = leave_one_out_kl(model64, stream, w, entries)
             row = {"window": window, "offset": start, "layer": layer}
-            for name, scores in (("direct", direct), ("direct_calibrated", calibrated), ("fisher4", fisher4),
-                                 ("fisher16", fisher16)):
+            for name, scores in (("direct", direct), ("direct_rank4", rank4), ("direct_calibrated", calibrated),
+                                 ("per_head", per_head),
+                                 ("fisher4", fisher4), ("fisher16", fisher16)):
                 estimate = torch.stack([scores[layer][h, c] for _, h, c in entries])
                 row[name] = {"spearman": spearman(estimate, truth), "ratio": float(estimate.sum() / truth.sum())}
             rows.append(row)
             print(json.dumps(row))
-    summary = {}
-    for name in ("direct", "direct_calibrated", "fisher4", "fisher16"):
+    table = {}
+    for name in ESTIMATORS:
         for layer in layers:
-            vals = [r[name]["spearman"] for r in rows if r["layer"] == layer]
-            ratios = [r[name]["ratio"] for r in rows if r["layer"] == layer]
-            summary[f"{name}@{layer}"] = {"spearman_mean": statistics.mean(vals), "spearman_min": min(vals),
-                                          "ratio_mean": statistics.mean(ratios)}
+            of_layer = [r for r in rows if r["layer"] == layer]
+            table[f"{name}@{layer}"] = {"spearman": mean_ci([r[name]["spearman"] for r in of_layer]),
+                                        "spearman_min": min(r[name]["spearman"] for r in of_layer),
+                                        "ratio": mean_ci([r[name]["ratio"] for r in of_layer])}
+    print(f"\nSpearman vs the float64 oracle, mean ± 95 % over {args.windows} windows (magnitude ratio to the truth)")
     print("\n| estimator | " + " | ".join(f"layer {x}" for x in layers) + " |")
     print("|---|" + "---|" * len(layers))
-    for name in ("direct", "direct_calibrated", "fisher4", "fisher16"):
-        cells = [f"{summary[f'{name}@{x}']['spearman_mean']:.3f} (×{summary[f'{name}@{x}']['ratio_mean']:.2f})"
-                 for x in layers]
+    for name in ESTIMATORS:
+        cells = [f"{c['spearman']['mean']:.3f} ± {c['spearman']['ci95']:.3f} (×{c['ratio']['mean']:.2f})"
+                 for c in (table[f"{name}@{x}"] for x in layers)]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "rows": rows, "summary": summary}, f, indent=1)
+            json.dump({"settings": vars(args), "rows": rows, "summary": table}, f, indent=1)
 
 
 if __name__ == "__main__":
