@@ -124,6 +124,8 @@ class Engine:
         attention.install_residual_hook(adapter.final_norm)
 
     def new_stream(self) -> Stream:
+        """An empty stream; the policy forgets what it learnt on the previous one (e.g. kl's calibration)."""
+        self.policy.reset()
         return Stream(KVCache.empty(self.shapes, self.device, self.dtype))
 
     # ---- one forward ---------------------------------------------------------------------------------------

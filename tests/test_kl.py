@@ -147,3 +147,16 @@ def test_global_allocation_in_compact_mode_never_lets_one_head_outgrow_the_posit
         heads[cap] = (max(max(c) for c in stream.cache.kept_counts()), stream.next_rope)
     assert heads[None][0] > 42  # global allocation does give some head more than this ...
     assert heads[42][0] <= 42 and heads[42][1] <= 42  # ... unless capped, and positions follow the cap
+
+
+def test_calibration_is_learnt_per_document():
+    model = tiny_llama(seed=2)
+    engine = Engine(model, adapter_for(model), KL(), budget=16, chunk_size=16, probe_window=4)
+    ids = torch.randint(0, 300, (64,)).tolist()
+    engine.feed(engine.new_stream(), ids)
+    first = engine.policy.calibration
+    assert first is not None
+    engine.new_stream()
+    assert engine.policy.calibration is None
+    engine.feed(engine.new_stream(), list(reversed(ids)))
+    assert engine.policy.calibration is not None and engine.policy.calibration is not first

@@ -49,6 +49,9 @@ class Policy:
         """Scores for several layers at once; override when layers share work (e.g. one backward pass)."""
         return {i: self.score(step, i) for i in layer_ids}
 
+    def reset(self) -> None:
+        """Forget per-document state before a new stream (the engine calls it); most policies have none."""
+
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
         return {}

@@ -32,6 +32,9 @@ class KL(Policy):
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
+    def reset(self) -> None:
+        self.calibration = None  # calibrated on each document's first eviction
+
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower()}
