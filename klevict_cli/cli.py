@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "prompt": None,
     "temperature": 0.0,
     "top_p": 1.0,
+    "repetition_penalty": 1.1,
     "position_mode": "auto",
     "probe_window": 32,
     "json": False,
@@ -76,6 +77,8 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling a
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
+RepeatOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Discourage repeating the answer's last "
+                                                 "64 tokens (1 = off; default 1.1).")]
 ModeOpt = Annotated[str | None, typer.Option("--position-mode", help="auto (default), original or compact.")]
 ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last tokens of a chunk used as probes and "
                                               "always kept (default 32).")]
@@ -152,6 +155,8 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     check_choice("method", opts["method"], tuple(POLICIES))
     if not 0 < opts["top_p"] <= 1:
         raise UsageError(f"invalid --top-p {opts['top_p']}; it must be in (0, 1]")
+    if opts["repetition_penalty"] < 1:
+        raise UsageError(f"invalid --repetition-penalty {opts['repetition_penalty']}; it must be >= 1")
     if opts["temperature"] < 0:
         raise UsageError(f"invalid --temperature {opts['temperature']}; it must be >= 0")
     return opts
@@ -238,7 +243,8 @@ def summarize(
     prompt: Annotated[str | None, typer.Option("--prompt", help="Instruction after the document.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
-    temperature: TempOpt = None, top_p: TopPOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
+    temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
+    position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
@@ -247,10 +253,11 @@ def summarize(
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, position_mode=position_mode, probe_window=probe_window, json=json_out,
+                           top_p=top_p, repetition_penalty=repetition_penalty, position_mode=position_mode,
+                           probe_window=probe_window, json=json_out,
                            quiet=quiet, prompt=prompt, max_memory=max_memory)
     session, result = read_document(opts, file)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
     answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
                             seed=opts["seed"], method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
@@ -308,17 +315,18 @@ def ask(
     question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
-    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    repetition_penalty: RepeatOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
     from klevict_cli.session import GenerateSettings
 
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, json=json_out, quiet=quiet)
+                           temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
+                           quiet=quiet)
     questions = _questions(question)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"])
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
     for i, q in enumerate(questions):
         budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
         answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"],

@@ -280,16 +280,19 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         slack: int = 64,
+        repetition_penalty: float = 1.0,
     ) -> Iterator[int]:
         """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0. With a budget, the cache
         is re-compressed whenever generation has grown it by `slack` entries per head beyond the budget (or beyond
         what the prompt left, if more), with the latest tokens as probes."""
         logits = self.feed(stream, prompt_ids, evict=False)
         limit = None if self.budget is None else max(self.budget, math.ceil(self.held_per_head(stream)))
+        answer: list[int] = []
         for i in range(max_new_tokens):
-            token = sample(logits, temperature, top_p, self.generator)
+            token = sample(penalise_repeats(logits, answer, repetition_penalty), temperature, top_p, self.generator)
             if token in stop_ids:
                 return
+            answer.append(token)
             yield token
             if i == max_new_tokens - 1:
                 return  # nothing more to predict: don't pay for a forward of the last token
@@ -298,6 +301,16 @@ class Engine:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
                 self.evict(stream, ctx, probe_logits, recent, budget=limit)
+
+
+def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, window: int = 64) -> torch.Tensor:
+    """Make the answer's last `window` tokens less likely again (positive logits divided by `penalty`, negative
+    ones multiplied): small models decoding greedily from a heavily compressed cache otherwise fall into loops."""
+    if penalty == 1.0 or not previous:
+        return logits
+    index = torch.tensor(sorted(set(previous[-window:])), device=logits.device)
+    seen = logits[index]
+    return logits.index_copy(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

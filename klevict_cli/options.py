@@ -37,6 +37,7 @@ OPTION_TYPES: dict[str, type] = {
     "prompt": str,
     "temperature": float,
     "top_p": float,
+    "repetition_penalty": float,
     "position_mode": str,
     "probe_window": int,
     "json": bool,

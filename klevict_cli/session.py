@@ -47,6 +47,7 @@ class GenerateSettings:
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    repetition_penalty: float = 1.1
 
 
 @dataclass
@@ -153,7 +154,8 @@ class Session:
         start = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
-        for token in engine.generate(work, suffix, max_new, self.stop_ids, gen.temperature, gen.top_p):
+        for token in engine.generate(work, suffix, max_new, self.stop_ids, gen.temperature, gen.top_p,
+                                     repetition_penalty=gen.repetition_penalty):
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)

@@ -565,8 +565,8 @@ def test_chunk_size_must_be_positive(doc, model, value):
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("--position-mode", "sideways"), ("--top-p", "0"), ("--temperature", "-1"), ("--max-new-tokens", "-1"),
-     ("--probe-window", "0")],
+    [("--position-mode", "sideways"), ("--top-p", "0"), ("--repetition-penalty", "0.5"), ("--temperature", "-1"),
+     ("--max-new-tokens", "-1"), ("--probe-window", "0")],
 )
 def test_other_bad_option_values(doc, model, option, value):
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)

@@ -178,3 +178,13 @@ def test_past_then_chunk_attention_equals_one_masked_call():
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=0.3)
     actual = _attend_past_then_chunk(q, k, v, valid, groups=2, scaling=0.3)
     assert torch.allclose(actual, expected, atol=1e-6)
+
+
+def test_repetition_penalty_lowers_only_the_answers_recent_tokens():
+    from klevict_cli.engine import penalise_repeats
+
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.5])
+    out = penalise_repeats(logits, [0, 1, 0], 2.0)
+    assert out.tolist() == [1.0, -2.0, 3.0, 0.5]
+    assert penalise_repeats(logits, [0], 1.0) is logits and torch.equal(logits, torch.tensor([2.0, -1.0, 3.0, 0.5]))
+    assert penalise_repeats(logits, [2] + [1] * 64, 2.0)[2] == 3.0  # outside the 64-token window

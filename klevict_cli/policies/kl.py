@@ -74,25 +74,20 @@ class KL(Policy):
         return out
 
 
-def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep,
-                       per_head: bool = False) -> dict[int, torch.Tensor]:
-    """Per layer (or per KV head), the median over evictable entries (not the probes) of fisher / direct score.
+def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep
+                       ) -> dict[int, torch.Tensor]:
+    """Per layer, the median over evictable entries (not the probes) of fisher / direct score.
 
-    The direct path's error is what the layers after l do to the residual change. A median, because per-entry
-    Fisher estimates from a few samples are noisy and the scores are heavy-tailed (a ratio of sums would be decided
-    by a handful of entries)."""
+    The direct path's error is what the layers after l do to the residual change. One factor per layer: a factor
+    per KV head measured no better downstream (kl vs per-head calibration, 4 windows of Moby Dick: KL .0530 vs
+    .0533 at 10 %, .0771 vs .0762 at 5 %). A median, because per-entry Fisher estimates from a few samples are noisy
+    and the scores are heavy-tailed (a ratio of sums would be decided by a handful of entries)."""
     ratios = {}
     for i, d in direct.items():
         layer = step.cache.layers[i]
         candidates = layer.valid & (layer.positions < int(step.probe_positions[0])) & (d > 0)
-        ratio = torch.ones(d.shape[0], dtype=d.dtype, device=d.device)
-        if per_head:
-            for h in range(d.shape[0]):
-                if candidates[h].any():
-                    ratio[h] = (fisher[i][h][candidates[h]] / d[h][candidates[h]]).median()
-        elif candidates.any():
-            ratio[:] = (fisher[i][candidates] / d[candidates]).median()
-        ratios[i] = ratio
+        ratio = (fisher[i][candidates] / d[candidates]).median() if candidates.any() else torch.tensor(1.0)
+        ratios[i] = ratio.expand(d.shape[0]).to(d.dtype)
     return ratios
 
 
