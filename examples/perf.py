@@ -22,8 +22,10 @@ import torch
 
 from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.documents import Document, load_document
+from klevict_cli.engine import Engine
 from klevict_cli.models import load_model
 from klevict_cli.options import parse_budget
+from klevict_cli.policies import make_policy
 from klevict_cli.session import GenerateSettings, ReadSettings, Session
 
 
@@ -81,8 +83,7 @@ def main() -> None:
         for method, budget in (("none", None), ("kl", "10%")):
             start = time.perf_counter()
             _, result = timed_read(session, doc, method, budget, 512)
-            session.answer(result.stream, prompt, GenerateSettings(args.max_new_tokens, 0.0, 1.0), "original",
-                           method=method, budget=result.plan.budget)
+            session.answer(result.stream, prompt, gen, "original", method=method, budget=result.plan.budget)
             totals[method] = time.perf_counter() - start
         report["end_to_end"][n] = totals
         print(f"| {n} tokens | {totals['none']:.1f} | {totals['kl']:.1f} | {totals['kl'] / totals['none']:.2f} |")
@@ -121,9 +122,6 @@ def main() -> None:
             dims = result.stream.cache.layers[0].keys.shape[-1] + result.stream.cache.layers[0].values.shape[-1]
             formula = kept * dims * torch.finfo(dtype).bits // 8
             stream, _ = session.load(path)
-            from klevict_cli.engine import Engine
-            from klevict_cli.policies import make_policy
-
             engine = Engine(session.lm.model, session.adapter, make_policy("none"), None)
             logits = engine.feed(stream, session.frame.suffix_ids(tok, "Who is the narrator?"), evict=False)
             logp = logits.double().log_softmax(-1)

@@ -55,8 +55,8 @@ class KL(Policy):
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         adapter = step.adapter
-        factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight, self.top_k, self.rank,
-                                 jacobian_scale=adapter.logit_jacobian_scale(step.logits))
+        factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight,
+                                 self.top_k, self.rank, jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
             probe, layer = step.probes[i], step.cache.layers[i]
@@ -109,4 +109,3 @@ class KLLayer(KL):
 
     def __init__(self):
         super().__init__(allocation="layer")
-
