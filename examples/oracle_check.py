@@ -25,7 +25,8 @@ from klevict_cli.policies.kl import KL, calibration_ratios
 from klevict_cli.session import Session
 
 
-ESTIMATORS = ("direct", "direct_rank4", "direct_calibrated", "fisher4", "fisher16")
+ESTIMATORS = ("direct", "direct_rank4", "direct_calibrated", "direct_head_calibrated", "direct_head_calibrated16",
+              "fisher4", "fisher16")
 
 
 def main() -> None:
@@ -63,6 +64,10 @@ def main() -> None:
             fisher16 = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
             fisher4 = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
             calibrated = {i: direct[i] * r[:, None] for i, r in calibration_ratios(direct, fisher4, step).items()}
+            per_head = {i: direct[i] * r[:, None]
+                        for i, r in calibration_ratios(direct, fisher4, step, per_head=True).items()}
+            per_head16 = {i: direct[i] * r[:, None]
+                          for i, r in calibration_ratios(direct, fisher16, step, per_head=True).items()}
         for layer in layers:
             cache_layer = stream.cache.layers[layer]
             candidates = [(h, c) for h in range(cache_layer.keys.shape[0])
@@ -71,6 +76,7 @@ def main() -> None:
             truth = leave_one_out_kl(model64, stream, w, entries)
             row = {"window": window, "offset": start, "layer": layer}
             for name, scores in (("direct", direct), ("direct_rank4", rank4), ("direct_calibrated", calibrated),
+                                 ("direct_head_calibrated", per_head), ("direct_head_calibrated16", per_head16),
                                  ("fisher4", fisher4), ("fisher16", fisher16)):
                 estimate = torch.stack([scores[layer][h, c] for _, h, c in entries])
                 row[name] = {"spearman": spearman(estimate, truth), "ratio": float(estimate.sum() / truth.sum())}

@@ -166,7 +166,7 @@ class Engine:
             rows = recent if must_evict and self.policy.needs_probes else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows)
             if must_evict:
-                self.evict(stream, ctx, logits, recent)
+                self.evict(stream, ctx, logits, recent, final=start + self.chunk_size >= len(ids))
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -202,7 +202,8 @@ class Engine:
             if layer.window is not None and layer.capacity > layer.window:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
-    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int) -> EvictionStep:
+    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False
+                      ) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
@@ -212,6 +213,7 @@ class Engine:
             residuals=ctx.residuals,
             logits=logits[-w:] if ctx.probe_rows else None,
             generator=self.generator,
+            final=final,
             backward=lambda samples: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
                 torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator,
@@ -220,13 +222,14 @@ class Engine:
 
     @torch.inference_mode()
     def evict(
-        self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None
+        self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
+        final: bool = False,
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
         by policy score; the `recent` last tokens are always kept."""
         budget = self.budget if budget is None else budget
         w = min(recent, stream.next_position)
-        step = self.eviction_step(stream, ctx, logits, w)
+        step = self.eviction_step(stream, ctx, logits, w, final)
         self.trim_windows(stream)
         scored = self._scored_layers(stream)
         if budget is not None and scored:

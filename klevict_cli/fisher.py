@@ -54,15 +54,10 @@ def head_output_gradients(
             ).logits[0].float()
         logp = logits.log_softmax(dim=-1)
         labels = torch.multinomial(logp.detach().exp().cpu(), samples, replacement=True, generator=generator)
-        labels = labels.to(device)
+        per_sample = logp.gather(1, labels.to(device)).sum(dim=0)  # (S,): sample s's log-probs over the probes
+        # All S backward passes at once (vmapped over the rows of I_S): bigger matrix products than a loop of S.
         layer_ids = sorted(ctx.captured)
-        outputs = [ctx.captured[i] for i in layer_ids]
-        per_sample = []
-        for s in range(samples):
-            loss = logp.gather(1, labels[:, s : s + 1]).sum()
-            per_sample.append(torch.autograd.grad(loss, outputs, retain_graph=s < samples - 1))
-    grads = {}
-    for n, idx in enumerate(layer_ids):
-        g = torch.stack([sample[n][0] for sample in per_sample])  # (S, Hq, W, Dv)
-        grads[idx] = g.permute(2, 0, 1, 3).detach()
-    return grads
+        grads = torch.autograd.grad(per_sample, [ctx.captured[i] for i in layer_ids],
+                                    grad_outputs=torch.eye(samples, device=device), is_grads_batched=True)
+    # each (S, 1, Hq, W, Dv) -> (W, S, Hq, Dv)
+    return {idx: g[:, 0].permute(2, 0, 1, 3).detach() for idx, g in zip(layer_ids, grads)}

@@ -130,6 +130,26 @@ def test_decode_eviction_keeps_the_cache_within_budget_plus_slack():
     assert stream.next_position == 120 + 3 + 150 - 1  # the last sampled token is not fed back
 
 
+def test_only_the_calibration_and_the_last_eviction_of_a_read_pay_for_a_backward_pass(monkeypatch):
+    """kl reads with the calibrated direct path; the read's last eviction (what a saved cache keeps) uses Fisher."""
+    model = tiny_llama(seed=3)
+    ids = torch.randint(0, 300, (200,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(), budget=30, chunk_size=40, probe_window=8)
+    evictions, backward = [], []
+    score_layers, fisher_scores = KL.score_layers, KL.fisher_scores
+    monkeypatch.setattr(KL, "score_layers", lambda self, step, ids: evictions.append(step.final)
+                        or score_layers(self, step, ids))
+    monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(step.final)
+                        or fisher_scores(self, step, ids))
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert evictions == [False] * 4 + [True]  # one per 40-token chunk; only the last is final
+    assert backward == [False, True]  # the first eviction calibrates, the last one is scored by Fisher
+    for _ in engine.generate(stream, [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
+        pass
+    assert len(evictions) > 5 and not any(evictions[5:]) and backward == [False, True]  # decoding: direct only
+
+
 def test_global_allocation_in_compact_mode_never_lets_one_head_outgrow_the_positions():
     from klevict_cli.engine import plan_positions
 

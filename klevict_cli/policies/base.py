@@ -27,6 +27,7 @@ class EvictionStep:
     residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
     logits: torch.Tensor | None = None  # (W, vocab) at the probes
     generator: torch.Generator | None = None
+    final: bool = False  # the last eviction of a read: what remains is what questions will see
     backward: Callable[[int], dict[int, torch.Tensor]] | None = None  # S samples -> per layer (W, S, Hq, Dv) grads
 
 

@@ -7,8 +7,10 @@ budget is allocated globally by one top-k. Two propagations from a layer's head 
     across layers because it ignores what later layers do. So it is calibrated: at the first eviction a few
     Fisher samples give, per layer, the typical ratio of the full-path to the direct-path KL, and every direct
     score of that layer is multiplied by it.
-  * `fisher` — gradients of sampled labels' log-probabilities through all later layers (klevict_cli/fisher.py)
-    at every eviction: the most faithful, and the most expensive.
+  * `fisher` — gradients of sampled labels' log-probabilities through all later layers (klevict_cli/fisher.py):
+    the most faithful, and the most expensive (one batched backward pass of the probes per eviction).
+The default reads with `direct` and uses `fisher` for the last eviction of a read (`final_propagation`): what that
+eviction keeps is what the saved cache and every question will see, and it is paid once per document.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ class KL(Policy):
     needs_probes = True
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
-                 samples: int = 4, calibrate: bool = True):
+                 samples: int = 4, calibrate: bool = True, final_propagation: str = "fisher",
+                 calibrate_per: str = "layer"):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
+        self.final_propagation = final_propagation
+        self.calibrate_per = calibrate_per  # "layer" or "head"
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -37,18 +42,20 @@ class KL(Policy):
 
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
-                "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower()}
+                "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
+                "final_propagation": self.final_propagation}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
 
     def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
-        if self.propagation == "fisher":
+        if (self.final_propagation if step.final else self.propagation) == "fisher":
             return self.fisher_scores(step, layer_ids)
         scores = self.direct_scores(step, layer_ids)
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
             # changes nothing inside a layer, so only global allocation needs it
-            self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step)
+            self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step,
+                                                  per_head=self.calibrate_per == "head")
         if self.calibration is not None:
             scores = {i: s * self.calibration[i][:, None] for i, s in scores.items()}
         return scores
@@ -74,20 +81,21 @@ class KL(Policy):
         return out
 
 
-def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep
-                       ) -> dict[int, torch.Tensor]:
-    """Per layer, the median over evictable entries (not the probes) of fisher / direct score.
+def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep,
+                       per_head: bool = False) -> dict[int, torch.Tensor]:
+    """Per layer (or per KV head), the median over evictable entries (not the probes) of fisher / direct score.
 
-    The direct path's error is what the layers after l do to the residual change. One factor per layer: a factor
-    per KV head measured no better downstream (kl vs per-head calibration, 4 windows of Moby Dick: KL .0530 vs
-    .0533 at 10 %, .0771 vs .0762 at 5 %). A median, because per-entry Fisher estimates from a few samples are noisy
-    and the scores are heavy-tailed (a ratio of sums would be decided by a handful of entries)."""
+    The direct path's error is what the layers after l do to the residual change. One factor per layer by default:
+    a factor per KV head measured no better downstream (kl vs per-head calibration, 4 windows of Moby Dick: KL
+    .0530 vs .0533 at 10 %, .0771 vs .0762 at 5 %). A median, because per-entry Fisher estimates from a few samples
+    are noisy and the scores are heavy-tailed (a ratio of sums would be decided by a handful of entries)."""
     ratios = {}
     for i, d in direct.items():
         layer = step.cache.layers[i]
         candidates = layer.valid & (layer.positions < int(step.probe_positions[0])) & (d > 0)
-        ratio = (fisher[i][candidates] / d[candidates]).median() if candidates.any() else torch.tensor(1.0)
-        ratios[i] = ratio.expand(d.shape[0]).to(d.dtype)
+        ratio = torch.where(candidates, fisher[i] / d.where(candidates, 1.0), float("nan"))
+        ratio = ratio.nanmedian(dim=1).values if per_head else ratio.flatten().nanmedian()
+        ratios[i] = ratio.nan_to_num(1.0).expand(d.shape[0]).to(d.dtype)
     return ratios
 
 
