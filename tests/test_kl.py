@@ -8,11 +8,11 @@ import torch
 
 from kernels.kl import kl_scores, removal_coefficients
 from klevict_cli.adapters import adapter_for
-from klevict_cli.cache import LayerCache
+from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.engine import Engine
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
-from klevict_cli.policies import select_global
-from klevict_cli.policies.kl import KL
+from klevict_cli.policies import EvictionStep, select_global
+from klevict_cli.policies.kl import KL, calibration_ratios
 from tests.conftest import tiny_llama
 
 
@@ -148,6 +148,20 @@ def test_only_the_calibration_and_the_last_eviction_of_a_read_pay_for_a_backward
     for _ in engine.generate(stream, [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
         pass
     assert len(evictions) > 5 and not any(evictions[5:]) and backward == [False, True]  # decoding: direct only
+
+
+def test_calibration_recovers_each_heads_factor_and_ignores_the_probes():
+    torch.manual_seed(5)
+    c = 40
+    layer = _layer(torch.ones(2, c, dtype=torch.bool), torch.arange(c).expand(2, c).clone())
+    direct = torch.rand(2, c) + 0.1
+    fisher = direct * torch.tensor([[3.0], [0.5]])
+    fisher[:, 32:] = 1e6  # the probes' own entries (positions 32..39) must not count
+    step = EvictionStep(cache=KVCache([layer]), adapter=None, probes={}, probe_positions=torch.arange(32, 40))
+    per_head = calibration_ratios({0: direct}, {0: fisher}, step, per_head=True)[0]
+    assert torch.allclose(per_head, torch.tensor([3.0, 0.5]))
+    per_layer = calibration_ratios({0: direct}, {0: fisher}, step)[0]
+    assert per_layer[0] == per_layer[1] and 0.5 <= float(per_layer[0]) <= 3.0
 
 
 def test_global_allocation_in_compact_mode_never_lets_one_head_outgrow_the_positions():
