@@ -97,6 +97,24 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     return past_out * past_weight + chunk_out * (1 - past_weight)
 
 
+def _per_query_head(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(1, H_kv, C, D) -> (1, Hq, C, D): each KV head repeated for the query heads of its group (a copy)."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _attend_grouped(query, key, value, allowed, scaling):
+    """Masked attention with each KV group's query heads stacked as extra rows of one head, so the cache is read
+    as it is instead of being copied once per query head (decoding reads the whole cache for every token).
+    query (1, Hq, T, D); key/value (1, H_kv, C, D); allowed (H_kv, T, C). Returns (1, Hq, T, Dv)."""
+    _, hq, t, _ = query.shape
+    h_kv, c = key.shape[1], key.shape[2]
+    groups = hq // h_kv
+    rows = query.reshape(1, h_kv, groups * t, -1)  # query head h = kv_head * groups + g: rows g-major
+    mask = allowed[:, None].expand(h_kv, groups, t, c).reshape(1, h_kv, groups * t, c)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(1, hq, t, -1)
+
+
 def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
     ctx = _current.get()
     if ctx is None:  # a plain forward of the same model (e.g. a reference in a test): behave like sdpa
@@ -117,22 +135,18 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     groups = query.shape[1] // key.shape[1]
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
-    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     if _can_split(layer, query, value):
-        allowed = None
+        k, v = _per_query_head(key, groups), _per_query_head(value, groups)
         out = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups, scaling)
     else:
-        allowed = attention_mask(layer, ctx.query_positions).repeat_interleave(groups, dim=0)[None]
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (1, Hq, T, Dv)
+        out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions), scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.probe_rows:
         w = min(ctx.probe_rows, query.shape[2])
         q = query[0, :, -w:]
-        logits = torch.matmul(q.float(), k[0].float().transpose(1, 2)) * scaling
-        rows = (attention_mask(layer, ctx.query_positions[-w:]).repeat_interleave(groups, dim=0) if allowed is None
-                else allowed[0, :, -w:])
+        logits = torch.matmul(q.float(), _per_query_head(key, groups)[0].float().transpose(1, 2)) * scaling
+        rows = attention_mask(layer, ctx.query_positions[-w:]).repeat_interleave(groups, dim=0)
         logits = logits.masked_fill(~rows, float("-inf"))
         ctx.probes[layer_idx] = LayerProbe(query=q, weights=logits.softmax(dim=-1), output=out[0, :, -w:])
     return out.transpose(1, 2).contiguous(), None
