@@ -31,13 +31,14 @@ class Stream:
     cache: KVCache
     tokens: list[int] = field(default_factory=list)
     next_rope: int = 0
+    policy_state: dict[str, str] = field(default_factory=dict)  # what the policy learnt reading it (kl: calibration)
 
     @property
     def next_position(self) -> int:
         return len(self.tokens)
 
     def clone(self) -> Stream:
-        return Stream(self.cache.clone(), list(self.tokens), self.next_rope)
+        return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state))
 
 
 @dataclass
@@ -173,6 +174,7 @@ class Engine:
                 progress(len(chunk))
         if logits is None:
             raise ValueError("nothing to read")
+        stream.policy_state = self.policy.state()
         return logits[-1]
 
     def recent_window(self, chunk_len: int) -> int:

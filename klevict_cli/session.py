@@ -151,6 +151,7 @@ class Session:
         head_cap = self.adapter.max_positions - max_new if mode == "compact" else None
         engine = Engine(self.lm.model, self.adapter, make_policy(method), budget, chunk_size=max(len(suffix), 1),
                         mode=mode, seed=seed, head_cap=head_cap)
+        engine.policy.restore(work.policy_state, self.kv_heads())  # e.g. kl's calibration: not learnt again
         start = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
@@ -170,6 +171,9 @@ class Session:
         }
 
     # ---- files ---------------------------------------------------------------------------------------------
+    def kv_heads(self) -> list[int]:
+        return [s.kv_heads for s in self.adapter.layer_shapes()]
+
     def layer_specs(self) -> list[LayerSpec]:
         return [LayerSpec(s.kv_heads, s.key_dim, s.value_dim) for s in self.adapter.layer_shapes()]
 
@@ -203,6 +207,7 @@ class Session:
             "budget_tokens": str(result.plan.budget) if result.plan.budget is not None else "all",
             "method": settings.method,
             "method_params": json.dumps(make_policy(settings.method).params(), sort_keys=True),
+            "method_state": json.dumps(stream.policy_state, sort_keys=True),
             "chunk_size": str(settings.chunk_size),
             "probe_window": str(settings.probe_window),
             "prefix_tokens": str(result.prefix_tokens),
@@ -228,6 +233,13 @@ class Session:
         if meta.get("method") not in POLICIES or not (meta.get("budget_tokens") == "all"
                                                       or meta.get("budget_tokens", "").isdigit()):
             raise CacheFileError(f"{path}: unknown method or budget in the metadata")
+        try:  # absent in files from before klevict kept it: the policy then learns it again
+            state = json.loads(meta.get("method_state", "{}"))
+            if not isinstance(state, dict) or not all(isinstance(v, str) for v in state.values()):
+                raise ValueError("not an object of strings")
+            make_policy(meta["method"]).restore(state, self.kv_heads())
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            raise CacheFileError(f"{path}: invalid method state in the metadata ({exc})") from None
         param = next(self.lm.model.parameters())
         layers = []
         for packed, shape in zip(kvc.layers, self.adapter.layer_shapes()):
@@ -238,5 +250,5 @@ class Session:
                 keys.to(param.device, param.dtype), values.to(param.device, param.dtype),
                 positions.long().to(param.device), rope.long().to(param.device), valid.to(param.device), shape.window,
             ))
-        stream = Stream(KVCache(layers), tokens=kvc.tokens.tolist(), next_rope=next_rope)
+        stream = Stream(KVCache(layers), tokens=kvc.tokens.tolist(), next_rope=next_rope, policy_state=state)
         return stream, meta

@@ -121,7 +121,7 @@ def model(tiny_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def compressed(work, doc, model) -> tuple[Path, dict]:
-    """The document compressed once with the tiny model (snapkv, 64 entries per head); never modify this file."""
+    """The document compressed once with the tiny model (kl, 64 entries per head); never modify this file."""
     out = work / "compressed" / "doc.kvc"
     out.parent.mkdir()
     summary = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST, "--json"))
@@ -411,6 +411,19 @@ def test_ask_after_the_model_weights_changed_is_refused(doc, work, tmp_path):
 
 def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
     assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model + "/", *GEN))
+
+
+def test_a_kvc_keeps_what_kl_learnt_and_a_state_that_does_not_fit_is_refused(compressed, kvc_copy, model):
+    from tests.test_kvc import raw_parts, write_raw  # the file writer that reaches checks behind the checksum
+
+    metadata = raw_parts(compressed[0])[1]
+    assert metadata["method"] == "kl"
+    ratios = json.loads(json.loads(metadata["method_state"])["calibration"])
+    assert len(ratios) == 3 and all(len(r) == 2 and min(r) >= 0 for r in ratios.values())  # 3 layers × 2 KV heads
+    tensors, metadata = raw_parts(kvc_copy)
+    metadata["method_state"] = json.dumps({"calibration": json.dumps({"0": [1.0]})})  # one ratio for two heads
+    write_raw(kvc_copy, tensors, metadata)
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, "method state")
 
 
 def test_truncated_file_is_refused(kvc_copy, model):

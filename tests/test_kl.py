@@ -150,6 +150,26 @@ def test_only_the_calibration_and_the_last_eviction_of_a_read_pay_for_a_backward
     assert len(evictions) > 5 and not any(evictions[5:]) and backward == [False, True]  # decoding: direct only
 
 
+def test_the_calibration_travels_with_the_stream_so_answering_does_not_learn_it_again(monkeypatch):
+    model = tiny_llama(seed=3)
+    ids = torch.randint(0, 300, (200,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(), budget=30, chunk_size=40, probe_window=8)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    learnt = {i: r.clone() for i, r in engine.policy.calibration.items()}
+    answering = Engine(model, adapter_for(model), KL(), budget=30, chunk_size=3, probe_window=8)
+    answering.policy.restore(stream.clone().policy_state, kv_heads=[2, 2, 2])
+    assert all(torch.equal(answering.policy.calibration[i], r) for i, r in learnt.items())
+    backward = []
+    fisher_scores = KL.fisher_scores
+    monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(1) or fisher_scores(self, step, ids))
+    for _ in answering.generate(stream.clone(), [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
+        pass
+    assert backward == []  # decode-phase evictions happened (slack 8) without a new calibration
+    with pytest.raises(ValueError):
+        KL().restore(stream.policy_state, kv_heads=[2, 2])  # a model with fewer layers
+
+
 def test_calibration_recovers_each_heads_factor_and_ignores_the_probes():
     torch.manual_seed(5)
     c = 40

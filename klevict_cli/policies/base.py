@@ -53,6 +53,15 @@ class Policy:
     def reset(self) -> None:
         """Forget per-document state before a new stream (the engine calls it); most policies have none."""
 
+    def state(self) -> dict[str, str]:
+        """Per-document state worth keeping with the cache (saved in a `.kvc`), so that evicting again later (while
+        answering) continues where reading stopped instead of learning it again."""
+        return {}
+
+    def restore(self, state: dict[str, str], kv_heads: list[int]) -> None:
+        """Take back what `state()` returned, for a model with `kv_heads[l]` KV heads in layer l; raises ValueError
+        if it does not fit."""
+
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
         return {}

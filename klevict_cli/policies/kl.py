@@ -15,6 +15,7 @@ eviction keeps is what the saved cache and every question will see, and it is pa
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -40,6 +41,23 @@ class KL(Policy):
     def reset(self) -> None:
         self.calibration = None  # calibrated on each document's first eviction
 
+    def state(self) -> dict[str, str]:
+        if self.calibration is None:
+            return {}
+        return {"calibration": json.dumps({str(i): r.tolist() for i, r in self.calibration.items()})}
+
+    def restore(self, state: dict[str, str], kv_heads: list[int]) -> None:
+        if "calibration" not in state:
+            return
+        ratios = json.loads(state["calibration"])
+        if not isinstance(ratios, dict) or not all(
+            k.isdigit() and int(k) < len(kv_heads) and isinstance(v, list) and len(v) == kv_heads[int(k)]
+            and all(isinstance(x, (int, float)) and x >= 0 for x in v)
+            for k, v in ratios.items()
+        ):
+            raise ValueError("the kl calibration does not fit this model (one non-negative ratio per KV head)")
+        self.calibration = {int(k): torch.tensor(v, dtype=torch.float32) for k, v in ratios.items()}
+
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
@@ -57,7 +75,7 @@ class KL(Policy):
             self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
         if self.calibration is not None:
-            scores = {i: s * self.calibration[i][:, None] for i, s in scores.items()}
+            scores = {i: s * self.calibration[i].to(s)[:, None] for i, s in scores.items()}
         return scores
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
