@@ -97,11 +97,6 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     return past_out * past_weight + chunk_out * (1 - past_weight)
 
 
-def _per_query_head(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(1, H_kv, C, D) -> (1, Hq, C, D): each KV head repeated for the query heads of its group (a copy)."""
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-
 def _attend_grouped(query, key, value, allowed, scaling):
     """Masked attention with each KV group's query heads stacked as extra rows of one head, so the cache is read
     as it is instead of being copied once per query head (decoding reads the whole cache for every token).
@@ -136,7 +131,8 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
     if _can_split(layer, query, value):
-        k, v = _per_query_head(key, groups), _per_query_head(value, groups)
+        k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+        v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
         out = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups, scaling)
     else:
         out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions), scaling)
@@ -145,7 +141,9 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     if ctx.probe_rows:
         w = min(ctx.probe_rows, query.shape[2])
         q = query[0, :, -w:]
-        logits = torch.matmul(q.float(), _per_query_head(key, groups)[0].float().transpose(1, 2)) * scaling
+        # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
+        rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
+        logits = torch.matmul(rows_of_group, key[0].float().transpose(1, 2)).view(q.shape[0], w, -1) * scaling
         rows = attention_mask(layer, ctx.query_positions[-w:]).repeat_interleave(groups, dim=0)
         logits = logits.masked_fill(~rows, float("-inf"))
         ctx.probes[layer_idx] = LayerProbe(query=q, weights=logits.softmax(dim=-1), output=out[0, :, -w:])

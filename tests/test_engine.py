@@ -188,3 +188,19 @@ def test_repetition_penalty_lowers_only_the_answers_recent_tokens():
     assert out.tolist() == [1.0, -2.0, 3.0, 0.5]
     assert penalise_repeats(logits, [0], 1.0) is logits and torch.equal(logits, torch.tensor([2.0, -1.0, 3.0, 0.5]))
     assert penalise_repeats(logits, [2] + [1] * 64, 2.0)[2] == 3.0  # outside the 64-token window
+
+
+@pytest.mark.parametrize("tokens", [1, 16])  # one token: the masked grouped path; a chunk: past-then-chunk
+def test_probe_weights_are_the_attention_that_produced_the_probe_outputs(model, tokens):
+    """Each query head's recorded weights over the cache, applied to its KV head's values, give its output."""
+    torch.manual_seed(3)
+    engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, torch.randint(0, 300, (40,)).tolist())
+    _, ctx = engine.forward(stream, torch.randint(0, 300, (tokens,)).tolist(), probe_rows=tokens)
+    for i, probe in ctx.probes.items():
+        layer = stream.cache.layers[i]
+        groups = probe.weights.shape[0] // layer.values.shape[0]
+        values = layer.values.repeat_interleave(groups, dim=0)  # (Hq, C, Dv)
+        assert torch.allclose(probe.weights @ values, probe.output, atol=1e-5)
+        assert torch.allclose(probe.weights.sum(-1), torch.ones(()), atol=1e-5)
