@@ -21,7 +21,7 @@ from klevict_cli.documents import load_document
 from klevict_cli.engine import Engine
 from klevict_cli.models import load_model
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
-from klevict_cli.policies.kl import KL, calibration_ratios
+from klevict_cli.policies.kl import KL, apply_calibration, calibration_ratios
 from klevict_cli.session import Session
 
 
@@ -63,11 +63,9 @@ def main() -> None:
             rank4 = KL(calibrate=False, rank=4).direct_scores(step, layers)
             fisher16 = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
             fisher4 = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
-            calibrated = {i: direct[i] * r[:, None] for i, r in calibration_ratios(direct, fisher4, step).items()}
-            per_head = {i: direct[i] * r[:, None]
-                        for i, r in calibration_ratios(direct, fisher4, step, per_head=True).items()}
-            per_head16 = {i: direct[i] * r[:, None]
-                          for i, r in calibration_ratios(direct, fisher16, step, per_head=True).items()}
+            calibrated = apply_calibration(direct, calibration_ratios(direct, fisher4, step))
+            per_head = apply_calibration(direct, calibration_ratios(direct, fisher4, step, per_head=True))
+            per_head16 = apply_calibration(direct, calibration_ratios(direct, fisher16, step, per_head=True))
         for layer in layers:
             cache_layer = stream.cache.layers[layer]
             candidates = [(h, c) for h in range(cache_layer.keys.shape[0])

@@ -74,9 +74,7 @@ class KL(Policy):
             # changes nothing inside a layer, so only global allocation needs it
             self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
-        if self.calibration is not None:
-            scores = {i: s * self.calibration[i].to(s)[:, None] for i, s in scores.items()}
-        return scores
+        return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         adapter = step.adapter
@@ -116,6 +114,11 @@ def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.
         ratio = ratio.nanmedian(dim=1).values if per_head else ratio.flatten().nanmedian()
         ratios[i] = ratio.nan_to_num(1.0).expand(d.shape[0]).to(d.dtype)
     return ratios
+
+
+def apply_calibration(scores: dict[int, torch.Tensor], ratios: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every KV head's direct scores times its calibration ratio (from `calibration_ratios`)."""
+    return {i: s * ratios[i].to(s)[:, None] for i, s in scores.items()}
 
 
 class KLFisher(KL):
