@@ -1,8 +1,8 @@
 """How well does the KL estimator rank cache entries against the true leave-one-out KL (float64 oracle)?
 
 For a few windows of a long text: read `--context` tokens with the full cache, then one more chunk whose last 32
-tokens are the probes; score every entry with the direct path (with and without calibration) and the Fisher path,
-and compare against the oracle on sampled entries at a few layers (Spearman rank correlation, and magnitude ratio).
+tokens are the probes; score every entry with the direct path (with and without calibration) and the Fisher path
+(probes frozen or live, klevict_cli/fisher.py), and compare against the oracle on sampled entries at a few layers (Spearman rank correlation, and magnitude ratio).
 
     python examples/oracle_check.py ../shared/data/moby-dick.txt --windows 3 --layers 2,15,28
 """
@@ -26,7 +26,7 @@ from klevict_cli.session import Session
 
 
 ESTIMATORS = ("direct", "direct_rank4", "direct_calibrated", "direct_head_calibrated", "direct_head_calibrated16",
-              "fisher4", "fisher16")
+              "direct_head_calibrated_live", "fisher4", "fisher16", "fisher4_live", "fisher16_live")
 
 
 def main() -> None:
@@ -61,11 +61,14 @@ def main() -> None:
             step = engine.eviction_step(stream, ctx, logits, w)
             direct = KL(calibrate=False).direct_scores(step, layers)
             rank4 = KL(calibrate=False, rank=4).direct_scores(step, layers)
-            fisher16 = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
-            fisher4 = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
+            fisher16 = KL(propagation="fisher", samples=16, probes="frozen").fisher_scores(step, layers)
+            fisher4 = KL(propagation="fisher", samples=4, probes="frozen").fisher_scores(step, layers)
+            fisher4_live = KL(propagation="fisher", samples=4, probes="live").fisher_scores(step, layers)
+            fisher16_live = KL(propagation="fisher", samples=16, probes="live").fisher_scores(step, layers)
             calibrated = apply_calibration(direct, calibration_ratios(direct, fisher4, step))
             per_head = apply_calibration(direct, calibration_ratios(direct, fisher4, step, per_head=True))
             per_head16 = apply_calibration(direct, calibration_ratios(direct, fisher16, step, per_head=True))
+            per_head_live = apply_calibration(direct, calibration_ratios(direct, fisher4_live, step, per_head=True))
         for layer in layers:
             cache_layer = stream.cache.layers[layer]
             candidates = [(h, c) for h in range(cache_layer.keys.shape[0])
@@ -75,7 +78,9 @@ def main() -> None:
             row = {"window": window, "offset": start, "layer": layer}
             for name, scores in (("direct", direct), ("direct_rank4", rank4), ("direct_calibrated", calibrated),
                                  ("direct_head_calibrated", per_head), ("direct_head_calibrated16", per_head16),
-                                 ("fisher4", fisher4), ("fisher16", fisher16)):
+                                 ("direct_head_calibrated_live", per_head_live),
+                                 ("fisher4", fisher4), ("fisher16", fisher16), ("fisher4_live", fisher4_live),
+                                 ("fisher16_live", fisher16_live)):
                 estimate = torch.stack([scores[layer][h, c] for _, h, c in entries])
                 row[name] = {"spearman": spearman(estimate, truth), "ratio": float(estimate.sum() / truth.sum())}
             rows.append(row)

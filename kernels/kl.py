@@ -9,6 +9,9 @@ propagations factor G_t = Σ_r e_tr e_trᵀ with a few "readout" vectors e_tr pe
 So the score of j (summed over probes, query heads of its KV group folded *before* squaring) is
     score_j = ½ Σ_t Σ_r ( Σ_{h∈g} a/(1-a) · e_trh·(o_th - v_j) )²
 which needs e·o (cheap) and e·v_j — one batched matmul per layer, never a (probes × entries × dim) tensor.
+When one readout reaches several probes' logits (the Fisher path with live probes: a gradient at o_t carries the
+effect on every later probe), removing j moves all probes' outputs at once and the probes are summed inside the
+square instead: score_j = ½ Σ_r ( Σ_t Σ_{h∈g} a/(1-a) · e_trh·(o_th - v_j) )².
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ def removal_coefficients(weights: torch.Tensor, clamp: float = 1e-6) -> torch.Te
 
 def kl_scores(
     weights: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor, readout: torch.Tensor, kv_heads: int,
-    clamp: float = 1e-6,
+    clamp: float = 1e-6, fold_probes: bool = False,
 ) -> torch.Tensor:
     """Estimated KL (nats) of removing each cached entry, summed over probes.
 
     weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv), or
     already per query head (Hq, C, Dv) (MLA: one cached entry expands to a different value for every head);
-    readout (W, R, Hq, Dv) metric factors in head-output space. Returns (H_kv, C).
+    readout (W, R, Hq, Dv) metric factors in head-output space; `fold_probes`: sum the probes before squaring (see
+    above). Returns (H_kv, C).
     One batched matmul gives e·(o - v_j) directly — e is extended by e·o and v_j by -1 — into a (Hq, W, R, C)
     work tensor that is then updated in place; the matmul dominates the cost.
     """
@@ -46,6 +50,8 @@ def kl_scores(
     y = torch.bmm(e_ext, v_ext).view(hq, w, r, c)  # e·(o - v_j)
     y.mul_(removal_coefficients(weights.to(dtype), clamp)[:, :, None, :])  # × a/(1-a)
     y = y.view(kv_heads, groups, w, r, c).sum(dim=1) if groups > 1 else y  # fold the group before squaring
+    if fold_probes:
+        return 0.5 * y.sum(dim=1).square_().sum(dim=1)
     return 0.5 * y.square_().sum(dim=(1, 2))
 
 

@@ -216,9 +216,9 @@ class Engine:
             logits=logits[-w:] if ctx.probe_rows else None,
             generator=self.generator,
             final=final,
-            backward=lambda samples: head_output_gradients(
+            backward=lambda samples, live: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
-                torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator,
+                torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
             ),
         )
 

@@ -142,7 +142,8 @@ def other_model(work) -> str:
 @pytest.fixture(scope="module")
 def other_compressed(work, doc, other_model) -> Path:
     out = work / "other.kvc"
-    assert_ok(invoke("compress", doc, "-o", out, "--model", other_model, "--budget", "64", *FAST))
+    # A budget at which the untied tiny model's greedy answers differ between QUESTIONS (the determinism test needs it)
+    assert_ok(invoke("compress", doc, "-o", out, "--model", other_model, "--budget", "96", *FAST))
     return out
 
 

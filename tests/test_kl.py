@@ -29,25 +29,28 @@ def test_removing_one_entry_changes_the_head_output_by_the_closed_form():
         assert torch.allclose(o_without - o, expected, atol=1e-12)
 
 
-def test_kl_kernel_matches_a_brute_force_loop():
+@pytest.mark.parametrize("fold_probes", [False, True])
+def test_kl_kernel_matches_a_brute_force_loop(fold_probes):
     torch.manual_seed(1)
     hq, hkv, w, c, d, r = 4, 2, 3, 7, 5, 2
     weights = torch.rand(hq, w, c, dtype=torch.float64).softmax(-1)
     outputs = torch.randn(hq, w, d, dtype=torch.float64)
     values = torch.randn(hkv, c, d, dtype=torch.float64)
     readout = torch.randn(w, r, hq, d, dtype=torch.float64)
-    got = kl_scores(weights, outputs, values, readout, hkv)
+    got = kl_scores(weights, outputs, values, readout, hkv, fold_probes=fold_probes)
     groups = hq // hkv
     for g in range(hkv):
         for j in range(c):
             total = 0.0
-            for t in range(w):
-                for k in range(r):
-                    y = sum(
+            for k in range(r):
+                per_probe = [
+                    float(sum(
                         weights[h, t, j] / (1 - weights[h, t, j]) * readout[t, k, h] @ (outputs[h, t] - values[g, j])
                         for h in range(g * groups, (g + 1) * groups)
-                    )
-                    total += 0.5 * float(y) ** 2
+                    ))
+                    for t in range(w)
+                ]
+                total += 0.5 * (sum(per_probe) ** 2 if fold_probes else sum(y * y for y in per_probe))
             assert got[g, j].item() == pytest.approx(total, rel=1e-9)
 
 
@@ -66,10 +69,11 @@ def probed():
     return model, stream, engine.eviction_step(stream, ctx, logits, 16)
 
 
-@pytest.mark.parametrize("propagation", ["fisher", "direct"])
-def test_estimator_ranks_like_the_float64_oracle(probed, propagation):
+@pytest.mark.parametrize("propagation,probes", [("fisher", "frozen"), ("fisher", "live"), ("direct", "frozen")])
+def test_estimator_ranks_like_the_float64_oracle(probed, propagation, probes):
     model, stream, step = probed
-    policy = KL(propagation=propagation, samples=256, calibrate=False)
+    # live probes add cross-probe terms to the sampled estimate: more samples for the same noise
+    policy = KL(propagation=propagation, samples=256 if probes == "frozen" else 2048, calibrate=False, probes=probes)
     scores = policy.fisher_scores(step, [0, 1, 2]) if propagation == "fisher" else policy.direct_scores(step, [0, 1, 2])
     model64 = float64_copy(model)
     threshold = 0.95 if propagation == "fisher" else 0.8  # direct ignores later layers and most of a flat vocab
@@ -81,6 +85,38 @@ def test_estimator_ranks_like_the_float64_oracle(probed, propagation):
         assert spearman(estimate, truth) >= threshold, (layer, spearman(estimate, truth))
         if propagation == "fisher":  # Fisher magnitudes are the truth's (comparable across layers)
             assert 0.8 <= float(estimate.sum() / truth.sum()) <= 1.25
+
+
+def test_live_probe_gradients_are_those_of_a_plain_forward_of_the_whole_text(probed):
+    """With live probes, the Fisher path's gradients are exactly what autograd gives for a plain (no klevict cache)
+    forward of every token read: the entries before the probes do not depend on them, the probes' own keys and values
+    do. The frozen gradients of the first probe differ (they miss its effect on the later probes)."""
+    model, stream, step = probed
+    samples, w = 2, 16
+    step.generator.manual_seed(7)
+    live = step.backward(samples, True)
+    step.generator.manual_seed(7)
+    frozen = step.backward(samples, False)
+
+    captured = {}
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args, i=i: captured.__setitem__(i, args[0])) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.enable_grad():
+            embeds = model.get_input_embeddings()(torch.tensor([stream.tokens])).detach().requires_grad_(True)
+            logp = model(inputs_embeds=embeds).logits[0, -w:].float().log_softmax(dim=-1)
+            generator = torch.Generator().manual_seed(7)
+            labels = torch.multinomial(logp.detach().exp(), samples, replacement=True, generator=generator)
+            for s in range(samples):
+                heads = [captured[i] for i in range(3)]
+                grads = torch.autograd.grad(logp.gather(1, labels[:, s : s + 1]).sum(), heads, retain_graph=True)
+                for i, g in enumerate(grads):  # (1, T, Hq·Dv) -> the probes' (W, Hq, Dv)
+                    expected = g[0, -w:].view(w, 4, -1)
+                    assert torch.allclose(live[i][:, s], expected, atol=1e-5), (i, s)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not torch.allclose(frozen[0][0], live[0][0], atol=1e-4)
 
 
 def _layer(valid: torch.Tensor, positions: torch.Tensor) -> LayerCache:

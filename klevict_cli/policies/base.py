@@ -28,7 +28,8 @@ class EvictionStep:
     logits: torch.Tensor | None = None  # (W, vocab) at the probes
     generator: torch.Generator | None = None
     final: bool = False  # the last eviction of a read: what remains is what questions will see
-    backward: Callable[[int], dict[int, torch.Tensor]] | None = None  # S samples -> per layer (W, S, Hq, Dv) grads
+    # (S samples, live probes) -> per layer (W, S, Hq, Dv) gradients (klevict_cli/fisher.py)
+    backward: Callable[[int, bool], dict[int, torch.Tensor]] | None = None
 
 
 class Policy:

@@ -8,7 +8,9 @@ budget is allocated globally by one top-k. Two propagations from a layer's head 
     Fisher samples give, per KV head of every layer, the typical ratio of the full-path to the direct-path KL, and
     every direct score of that head is multiplied by it.
   * `fisher` — gradients of sampled labels' log-probabilities through all later layers (klevict_cli/fisher.py):
-    the most faithful, and the most expensive (one batched backward pass of the probes per eviction).
+    the most faithful, and the most expensive (one batched backward pass of the probes per eviction). By default
+    the re-run recomputes the probes' own keys and values (`probes="live"`), so an early probe's change reaches the
+    later probes as an eviction reaches the tokens after it; the probes are then summed inside the square.
 The default reads with `direct` and uses `fisher` for the last eviction of a read (`final_propagation`): what that
 eviction keeps is what the saved cache and every question will see, and it is paid once per document.
 """
@@ -30,12 +32,15 @@ class KL(Policy):
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
                  samples: int = 4, calibrate: bool = True, final_propagation: str = "fisher",
-                 calibrate_per: str = "head"):
+                 calibrate_per: str = "head", probes: str = "live"):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
         self.final_propagation = final_propagation
         self.calibrate_per = calibrate_per  # "layer" or "head"
+        if probes not in ("live", "frozen"):
+            raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
+        self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -61,7 +66,7 @@ class KL(Policy):
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
-                "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per}
+                "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -88,12 +93,14 @@ class KL(Policy):
         return out
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
-        grads = step.backward(self.samples)
+        live = self.probes == "live"
+        grads = step.backward(self.samples, live)
         out = {}
         for i in layer_ids:
             probe, layer = step.probes[i], step.cache.layers[i]
             readout = grads[i].to(probe.output.dtype) / math.sqrt(self.samples)
-            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
+            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0],
+                               fold_probes=live)
         return out
 
 
