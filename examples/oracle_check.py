@@ -2,7 +2,8 @@
 
 For a few windows of a long text: read `--context` tokens with the full cache, then one more chunk whose last 32
 tokens are the probes; score every entry with the direct path (with and without calibration) and the Fisher path
-(probes frozen or live, klevict_cli/fisher.py), and compare against the oracle on sampled entries at a few layers (Spearman rank correlation, and magnitude ratio).
+(probes frozen or live, klevict_cli/fisher.py), and compare against the oracle on sampled entries at a few layers
+(Spearman rank correlation, and magnitude ratio).
 
     python examples/oracle_check.py ../shared/data/moby-dick.txt --windows 3 --layers 2,15,28
 """
@@ -23,10 +24,6 @@ from klevict_cli.models import load_model
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies.kl import KL, apply_calibration, calibration_ratios
 from klevict_cli.session import Session
-
-
-ESTIMATORS = ("direct", "direct_rank4", "direct_calibrated", "direct_head_calibrated", "direct_head_calibrated16",
-              "direct_head_calibrated_live", "fisher4", "fisher16", "fisher4_live", "fisher16_live")
 
 
 def main() -> None:
@@ -65,10 +62,18 @@ def main() -> None:
             fisher4 = KL(propagation="fisher", samples=4, probes="frozen").fisher_scores(step, layers)
             fisher4_live = KL(propagation="fisher", samples=4, probes="live").fisher_scores(step, layers)
             fisher16_live = KL(propagation="fisher", samples=16, probes="live").fisher_scores(step, layers)
-            calibrated = apply_calibration(direct, calibration_ratios(direct, fisher4, step))
-            per_head = apply_calibration(direct, calibration_ratios(direct, fisher4, step, per_head=True))
-            per_head16 = apply_calibration(direct, calibration_ratios(direct, fisher16, step, per_head=True))
-            per_head_live = apply_calibration(direct, calibration_ratios(direct, fisher4_live, step, per_head=True))
+            estimates = {  # in the order of the printed table
+                "direct": direct,
+                "direct_rank4": rank4,
+                "direct_calibrated": apply_calibration(direct, calibration_ratios(direct, fisher4, step)),
+                "direct_head_calibrated": apply_calibration(
+                    direct, calibration_ratios(direct, fisher4, step, per_head=True)),
+                "direct_head_calibrated16": apply_calibration(
+                    direct, calibration_ratios(direct, fisher16, step, per_head=True)),
+                "direct_head_calibrated_live": apply_calibration(
+                    direct, calibration_ratios(direct, fisher4_live, step, per_head=True)),
+                "fisher4": fisher4, "fisher16": fisher16, "fisher4_live": fisher4_live, "fisher16_live": fisher16_live,
+            }
         for layer in layers:
             cache_layer = stream.cache.layers[layer]
             candidates = [(h, c) for h in range(cache_layer.keys.shape[0])
@@ -76,17 +81,14 @@ def main() -> None:
             entries = [(layer, h, c) for h, c in rng.sample(candidates, min(args.entries, len(candidates)))]
             truth = leave_one_out_kl(model64, stream, w, entries)
             row = {"window": window, "offset": start, "layer": layer}
-            for name, scores in (("direct", direct), ("direct_rank4", rank4), ("direct_calibrated", calibrated),
-                                 ("direct_head_calibrated", per_head), ("direct_head_calibrated16", per_head16),
-                                 ("direct_head_calibrated_live", per_head_live),
-                                 ("fisher4", fisher4), ("fisher16", fisher16), ("fisher4_live", fisher4_live),
-                                 ("fisher16_live", fisher16_live)):
+            for name, scores in estimates.items():
                 estimate = torch.stack([scores[layer][h, c] for _, h, c in entries])
                 row[name] = {"spearman": spearman(estimate, truth), "ratio": float(estimate.sum() / truth.sum())}
             rows.append(row)
             print(json.dumps(row))
+    names = list(estimates)
     table = {}
-    for name in ESTIMATORS:
+    for name in names:
         for layer in layers:
             of_layer = [r for r in rows if r["layer"] == layer]
             table[f"{name}@{layer}"] = {"spearman": mean_ci([r[name]["spearman"] for r in of_layer]),
@@ -95,7 +97,7 @@ def main() -> None:
     print(f"\nSpearman vs the float64 oracle, mean ± 95 % over {args.windows} windows (magnitude ratio to the truth)")
     print("\n| estimator | " + " | ".join(f"layer {x}" for x in layers) + " |")
     print("|---|" + "---|" * len(layers))
-    for name in ESTIMATORS:
+    for name in names:
         cells = [f"{c['spearman']['mean']:.3f} ± {c['spearman']['ci95']:.3f} (×{c['ratio']['mean']:.2f})"
                  for c in (table[f"{name}@{x}"] for x in layers)]
         print(f"| {name} | " + " | ".join(cells) + " |")

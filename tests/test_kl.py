@@ -107,8 +107,8 @@ def test_live_probe_gradients_are_those_of_a_plain_forward_of_the_whole_text(pro
             logp = model(inputs_embeds=embeds).logits[0, -w:].float().log_softmax(dim=-1)
             generator = torch.Generator().manual_seed(7)
             labels = torch.multinomial(logp.detach().exp(), samples, replacement=True, generator=generator)
+            heads = [captured[i] for i in range(3)]
             for s in range(samples):
-                heads = [captured[i] for i in range(3)]
                 grads = torch.autograd.grad(logp.gather(1, labels[:, s : s + 1]).sum(), heads, retain_graph=True)
                 for i, g in enumerate(grads):  # (1, T, Hq·Dv) -> the probes' (W, Hq, Dv)
                     expected = g[0, -w:].view(w, 4, -1)
@@ -198,7 +198,8 @@ def test_the_calibration_travels_with_the_stream_so_answering_does_not_learn_it_
     assert all(torch.equal(answering.policy.calibration[i], r) for i, r in learnt.items())
     backward = []
     fisher_scores = KL.fisher_scores
-    monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(1) or fisher_scores(self, step, ids))
+    monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(1)
+                        or fisher_scores(self, step, ids))
     for _ in answering.generate(stream.clone(), [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
         pass
     assert backward == []  # decode-phase evictions happened (slack 8) without a new calibration
