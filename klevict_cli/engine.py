@@ -22,6 +22,7 @@ from klevict_cli.fisher import FrozenCache, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
 
 POSITION_MODES = ("auto", "original", "compact")
+DRAFT_ROUNDS = 2  # Jacobi refinements of the look-ahead draft (Engine.draft)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Engine:
         self.probe_window = probe_window
         self.mode = mode
         self.head_cap = head_cap
+        self.lookahead = policy.lookahead if policy.needs_probes else 0
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
@@ -164,10 +166,15 @@ class Engine:
             chunk = ids[start : start + self.chunk_size]
             must_evict = evict and self._over_budget(stream, len(chunk))
             recent = self.recent_window(len(chunk))
-            rows = recent if must_evict and self.policy.needs_probes else 0
+            final = start + self.chunk_size >= len(ids)
+            # the read's last eviction is probed by tokens drafted past its end (if the positions have room)
+            drafts = min(self.lookahead, self.adapter.max_positions - stream.next_rope - len(chunk)) if final else 0
+            rows = recent if must_evict and self.policy.needs_probes and drafts <= 0 else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows)
-            if must_evict:
-                self.evict(stream, ctx, logits, recent, final=start + self.chunk_size >= len(ids))
+            if must_evict and drafts > 0:
+                self.evict_looking_ahead(stream, logits[-1], recent, drafts)
+            elif must_evict:
+                self.evict(stream, ctx, logits, recent, final=final)
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -225,30 +232,70 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False,
+        final: bool = False, drafts: int = 0,
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
-        by policy score; the `recent` last tokens are always kept."""
+        by policy score; the `recent` last tokens are always kept. With `drafts`, the stream ends in that many
+        sampled tokens that are the probes (`ctx`, `logits` are theirs) and are forgotten once the choice is made."""
         budget = self.budget if budget is None else budget
-        w = min(recent, stream.next_position)
-        step = self.eviction_step(stream, ctx, logits, w, final)
-        self.trim_windows(stream)
+        w = min(recent, stream.next_position - drafts)
+        step = self.eviction_step(stream, ctx, logits, drafts or w, final)
         scored = self._scored_layers(stream)
         if budget is not None and scored:
-            protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
+            held = w + drafts  # the drafts are held through the choice (each head, on top of its budget), then dropped
+            protect = {i: layer.positions >= stream.next_position - held for i, layer in scored.items()}
             scores = self.policy.score_layers(step, list(scored))
             if self.policy.allocation == "global":
-                masks = select_global(scored, scores, budget, protect, min_per_head=w, max_per_head=self.head_cap)
+                masks = select_global(scored, scores, budget + drafts, protect, min_per_head=held,
+                                      max_per_head=None if self.head_cap is None else self.head_cap + drafts)
             else:
                 budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
                 masks = {
-                    i: select_keep(layer, scores[i], budgets[i] if budgets else budget, protect[i])
+                    i: select_keep(layer, scores[i], (budgets[i] if budgets else budget) + drafts, protect[i])
                     for i, layer in scored.items()
                 }
             for i, mask in masks.items():
                 scored[i].keep(mask)
+        if drafts:
+            self.forget_drafts(stream, drafts)
+        self.trim_windows(stream)  # last: the Fisher re-run needs the probes as every layer's last columns
         if self.mode == "compact":
             self.compact(stream)
+
+    @torch.inference_mode()
+    def evict_looking_ahead(self, stream: Stream, last_logits: torch.Tensor, recent: int, count: int) -> None:
+        """The read's last eviction, scored with probes from its future: `count` tokens sampled past the end of the
+        read. What the saved cache must serve is the text that follows, and a sample of what the model expects next
+        asks for it better than the last tokens read, whose own questions have been answered (every earlier
+        eviction already has the chunk after it to judge by). The drafts are forgotten afterwards."""
+        logits, ctx = self.draft(stream, last_logits, count)
+        self.evict(stream, ctx, logits, recent, final=True, drafts=logits.shape[0])
+
+    @torch.inference_mode()
+    def draft(self, stream: Stream, last_logits: torch.Tensor, count: int) -> tuple[torch.Tensor, ForwardContext]:
+        """Append `count` tokens sampled past the end of the stream; returns their logits and probe statistics.
+
+        Sampling them one at a time would cost `count` forwards. Instead every position is sampled at once and
+        refined (Jacobi iterations): start from one sampled token followed by the last tokens read, then
+        `DRAFT_ROUNDS` times re-sample every position from the model's distribution given the draft before it.
+        The first rounds + 1 tokens are then true samples and the rest are text sampled from a nearly right context;
+        probes need queries like those of the text to come, not exact text. (README: the caches it chooses are within
+        8 % of one-at-a-time sampling's in KL, at a third of its cost; greedy drafts did worse than sampled ones.)"""
+        first = sample(last_logits, 1.0, 1.0, self.generator)
+        draft = [first] + stream.tokens[max(0, len(stream.tokens) - count + 1) :]
+        for _ in range(DRAFT_ROUNDS):
+            logits, _ = self.forward(stream, draft, logits_rows=len(draft))
+            self.forget_drafts(stream, len(draft))
+            draft = [first] + sample_rows(logits[:-1], self.generator)
+        return self.forward(stream, draft, probe_rows=len(draft))
+
+    def forget_drafts(self, stream: Stream, count: int) -> None:
+        """Drop the last `count` tokens of the stream (sampled drafts): their cache entries, tokens and positions."""
+        end = stream.next_position - count
+        for layer in stream.cache.layers:
+            layer.keep(layer.positions < end)
+        del stream.tokens[end:]
+        stream.next_rope -= count
 
     @torch.inference_mode()
     def probe_again(self, stream: Stream, w: int) -> tuple[torch.Tensor, ForwardContext]:
@@ -316,6 +363,12 @@ def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, 
     index = torch.tensor(sorted(set(previous[-window:])), device=logits.device)
     seen = logits[index]
     return logits.index_copy(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
+
+
+def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """One token from each row's distribution (temperature 1)."""
+    probs = logits.float().cpu().softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -10,6 +10,7 @@ from klevict_cli.adapters import adapter_for
 from klevict_cli.engine import Engine, plan_positions
 from klevict_cli.errors import ResourceError
 from klevict_cli.policies import make_policy
+from klevict_cli.policies.kl import KL
 from tests.conftest import tiny_llama
 from tests.reference import causal_masks, reference_logits
 
@@ -204,3 +205,66 @@ def test_probe_weights_are_the_attention_that_produced_the_probe_outputs(model, 
         values = layer.values.repeat_interleave(groups, dim=0)  # (Hq, C, Dv)
         assert torch.allclose(probe.weights @ values, probe.output, atol=1e-5)
         assert torch.allclose(probe.weights.sum(-1), torch.ones(()), atol=1e-5)
+
+
+class ProbeSpy(KL):
+    """`kl`, remembering the probe positions of every eviction."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen: list[torch.Tensor] = []
+
+    def score_layers(self, step, layer_ids):
+        self.seen.append(step.probe_positions.clone())
+        return super().score_layers(step, layer_ids)
+
+
+def test_look_ahead_probes_the_last_eviction_with_drafts_and_forgets_them(model):
+    torch.manual_seed(5)
+    ids = torch.randint(0, 300, (96,)).tolist()
+    policy = ProbeSpy(lookahead=6)
+    engine = Engine(model, adapter_for(model), policy, budget=24, chunk_size=32, probe_window=8)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    *earlier, last = policy.seen
+    assert [p.tolist() for p in earlier] == [list(range(s - 8, s)) for s in (32, 64)]  # each chunk's last tokens
+    assert torch.equal(last, torch.arange(96, 102))  # the last eviction: six tokens sampled past the end
+    assert stream.tokens == ids and stream.next_rope == 96
+    for layer in stream.cache.layers:
+        for h in range(layer.keys.shape[0]):
+            kept = set(layer.positions[h][layer.valid[h]].tolist())
+            assert max(kept) < 96 and set(range(88, 96)) <= kept  # no draft left; the last tokens read kept
+    assert engine.held_per_head(stream) == 24
+
+
+def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
+    """Drafted tokens must leave no trace: with room for everything, the next logits are the full model's."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, 300, (70,)).tolist()
+    question = torch.randint(0, 300, (5,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids + question])).logits[0, -1]
+    engine = Engine(model, adapter_for(model), KL(lookahead=8), budget=None, chunk_size=32, probe_window=8)
+    stream = engine.new_stream()
+    logits = engine.feed(stream, ids)
+    engine.budget = 70  # room for every entry: the eviction runs, drafts and all, and keeps everything
+    engine.evict_looking_ahead(stream, logits, recent=8, count=8)
+    assert stream.tokens == ids and stream.next_rope == 70
+    got = engine.feed(stream, question, evict=False)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["original", "compact"])
+def test_look_ahead_is_deterministic_given_a_seed(model, mode):
+    ids = torch.randint(0, 300, (90,)).tolist()
+
+    def kept(seed):
+        engine = Engine(model, adapter_for(model), KL(lookahead=8), budget=20, chunk_size=40, probe_window=8,
+                        mode=mode, seed=seed)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        longest = max(max(counts) for counts in stream.cache.kept_counts())  # compact: the fullest head's length
+        assert stream.next_rope == (90 if mode == "original" else longest) and stream.tokens == ids
+        return [layer.positions.tolist() for layer in stream.cache.layers]
+
+    assert kept(3) == kept(3)

@@ -166,11 +166,15 @@ def test_decode_eviction_keeps_the_cache_within_budget_plus_slack():
     assert stream.next_position == 120 + 3 + 150 - 1  # the last sampled token is not fed back
 
 
-def test_only_the_calibration_and_the_last_eviction_of_a_read_pay_for_a_backward_pass(monkeypatch):
-    """kl reads with the calibrated direct path; the read's last eviction (what a saved cache keeps) uses Fisher."""
+@pytest.mark.parametrize("final_propagation", ["direct", "fisher"])
+def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_backward_pass(monkeypatch,
+                                                                                         final_propagation):
+    """kl reads with the calibrated direct path; the read's last eviction (what a saved cache keeps) uses the
+    `final_propagation`; decoding never runs a backward pass."""
     model = tiny_llama(seed=3)
     ids = torch.randint(0, 300, (200,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(), budget=30, chunk_size=40, probe_window=8)
+    engine = Engine(model, adapter_for(model), KL(final_propagation=final_propagation), budget=30, chunk_size=40,
+                    probe_window=8)
     evictions, backward = [], []
     score_layers, fisher_scores = KL.score_layers, KL.fisher_scores
     monkeypatch.setattr(KL, "score_layers", lambda self, step, ids: evictions.append(step.final)
@@ -180,10 +184,11 @@ def test_only_the_calibration_and_the_last_eviction_of_a_read_pay_for_a_backward
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert evictions == [False] * 4 + [True]  # one per 40-token chunk; only the last is final
-    assert backward == [False, True]  # the first eviction calibrates, the last one is scored by Fisher
+    expected = [False] + ([True] if final_propagation == "fisher" else [])  # the first eviction calibrates
+    assert backward == expected
     for _ in engine.generate(stream, [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
         pass
-    assert len(evictions) > 5 and not any(evictions[5:]) and backward == [False, True]  # decoding: direct only
+    assert len(evictions) > 5 and not any(evictions[5:]) and backward == expected  # decoding: direct only
 
 
 def test_the_calibration_travels_with_the_stream_so_answering_does_not_learn_it_again(monkeypatch):

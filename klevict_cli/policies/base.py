@@ -37,6 +37,7 @@ class Policy:
     needs_probes: bool = False  # record queries / attention / head outputs at the probe rows
     evicts: bool = True
     allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
+    lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (Engine.draft)
     variant: bool = False  # a variant of another method (e.g. kl-fisher): benched only when named
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:

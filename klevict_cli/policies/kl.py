@@ -11,8 +11,13 @@ budget is allocated globally by one top-k. Two propagations from a layer's head 
     the most faithful, and the most expensive (one batched backward pass of the probes per eviction). By default
     the re-run recomputes the probes' own keys and values (`probes="live"`), so an early probe's change reaches the
     later probes as an eviction reaches the tokens after it; the probes are then summed inside the square.
-The default reads with `direct` and uses `fisher` for the last eviction of a read (`final_propagation`): what that
-eviction keeps is what the saved cache and every question will see, and it is paid once per document.
+The default scores with `direct` throughout; `final_propagation="fisher"` scores the read's last eviction (what the
+saved cache and every question will see) with the Fisher path instead.
+
+The last eviction's probes are not the last tokens read but `lookahead` tokens the engine samples past the end of
+the read (Engine.draft) and forgets afterwards: the cache must serve the text that follows, and the model's own
+sample of it asks for what that text will ask for. With those probes the direct and Fisher paths keep equally good
+caches, so the default pays for one backward pass per document (the calibration), not two.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ class KL(Policy):
     needs_probes = True
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
-                 samples: int = 4, calibrate: bool = True, final_propagation: str = "fisher",
-                 calibrate_per: str = "head", probes: str = "live"):
+                 samples: int = 4, calibrate: bool = True, final_propagation: str = "direct",
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 32):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -41,6 +46,7 @@ class KL(Policy):
         if probes not in ("live", "frozen"):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
+        self.lookahead = lookahead
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -66,7 +72,8 @@ class KL(Policy):
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
-                "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes}
+                "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
+                "lookahead": str(self.lookahead)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
