@@ -37,7 +37,7 @@ class KL(Policy):
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
                  samples: int = 4, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 32):
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
