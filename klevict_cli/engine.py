@@ -291,10 +291,17 @@ class Engine:
         return self.forward(stream, draft, probe_rows=len(draft))
 
     def forget_drafts(self, stream: Stream, count: int) -> None:
-        """Drop the last `count` tokens of the stream (sampled drafts): their cache entries, tokens and positions."""
+        """Drop the last `count` tokens of the stream (sampled drafts): their cache entries, tokens and positions.
+        Entries just appended are the last columns of every layer and are cut off (no re-packing, and the spare
+        columns stay for the next forward); after an eviction has re-packed them they are masked out."""
         end = stream.next_position - count
         for layer in stream.cache.layers:
-            layer.keep(layer.positions < end)
+            tail = layer.capacity - count
+            just_appended = tail >= 0 and bool((layer.positions[:, tail:] >= end).all())
+            if just_appended and not bool((layer.positions[:, :tail] >= end).any()):
+                layer.truncate(tail)
+            else:
+                layer.keep(layer.positions < end)
         del stream.tokens[end:]
         stream.next_rope -= count
 

@@ -254,6 +254,27 @@ def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+def test_forgetting_drafts_just_read_restores_the_ragged_cache_exactly(model):
+    """Drafts just read are cut off the end of every layer (Engine.forget_drafts): the cache, tokens and positions
+    are then exactly what they were, padding and all, and reading the same drafts again gives the same logits."""
+    torch.manual_seed(8)
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=20, chunk_size=24, probe_window=8)
+    stream = engine.new_stream()
+    engine.feed(stream, torch.randint(0, 300, (70,)).tolist())
+    assert any(not bool(layer.valid.all()) for layer in stream.cache.layers)  # ragged: some heads padded
+    fields = ("keys", "values", "positions", "rope_positions", "valid")
+    before = [[getattr(layer, f).clone() for f in fields] for layer in stream.cache.layers]
+    tokens, rope = list(stream.tokens), stream.next_rope
+    drafts = torch.randint(0, 300, (6,)).tolist()
+    first, _ = engine.forward(stream, drafts, logits_rows=6)
+    engine.forget_drafts(stream, 6)
+    assert stream.tokens == tokens and stream.next_rope == rope
+    for layer, saved in zip(stream.cache.layers, before):
+        assert all(torch.equal(getattr(layer, f), old) for f, old in zip(fields, saved))
+    again, _ = engine.forward(stream, drafts, logits_rows=6)
+    assert torch.equal(first, again)
+
+
 @pytest.mark.parametrize("mode", ["original", "compact"])
 def test_look_ahead_is_deterministic_given_a_seed(model, mode):
     ids = torch.randint(0, 300, (90,)).tolist()
