@@ -57,14 +57,14 @@ def main() -> None:
             logits, ctx = engine.forward(stream, text[args.context :], probe_rows=w)
             step = engine.eviction_step(stream, ctx, logits, w)
             direct = KL(calibrate=False).direct_scores(step, layers)
-            rank4 = KL(calibrate=False, rank=4).direct_scores(step, layers)
+            rank8 = KL(calibrate=False, rank=8).direct_scores(step, layers)
             fisher16 = KL(propagation="fisher", samples=16, probes="frozen").fisher_scores(step, layers)
             fisher4 = KL(propagation="fisher", samples=4, probes="frozen").fisher_scores(step, layers)
             fisher4_live = KL(propagation="fisher", samples=4, probes="live").fisher_scores(step, layers)
             fisher16_live = KL(propagation="fisher", samples=16, probes="live").fisher_scores(step, layers)
             estimates = {  # in the order of the printed table
                 "direct": direct,
-                "direct_rank4": rank4,
+                "direct_rank8": rank8,
                 "direct_calibrated": apply_calibration(direct, calibration_ratios(direct, fisher4, step)),
                 "direct_head_calibrated": apply_calibration(
                     direct, calibration_ratios(direct, fisher4, step, per_head=True)),

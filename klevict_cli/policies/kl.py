@@ -35,7 +35,7 @@ class KL(Policy):
     name = "kl"
     needs_probes = True
 
-    def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 8,
+    def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 4, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 64):
         self.propagation = propagation
