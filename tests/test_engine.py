@@ -7,7 +7,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapters import adapter_for
-from klevict_cli.engine import Engine, plan_positions
+from klevict_cli.engine import Engine, plan_positions, sample_rows
 from klevict_cli.errors import ResourceError
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
@@ -273,6 +273,14 @@ def test_forgetting_drafts_just_read_restores_the_ragged_cache_exactly(model):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(fields, saved))
     again, _ = engine.forward(stream, drafts, logits_rows=6)
     assert torch.equal(first, again)
+
+
+def test_sample_rows_draws_each_row_from_its_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, -1.0]]).repeat(50_000, 1)
+    drawn = torch.tensor(sample_rows(logits, torch.Generator().manual_seed(0))).view(50_000, 2)
+    for row in range(2):
+        frequencies = torch.bincount(drawn[:, row], minlength=3) / 50_000
+        assert torch.allclose(frequencies, logits[row].softmax(dim=-1), atol=0.01)  # ~5 standard errors
 
 
 @pytest.mark.parametrize("mode", ["original", "compact"])
