@@ -297,8 +297,8 @@ class Engine:
         end = stream.next_position - count
         for layer in stream.cache.layers:
             tail = layer.capacity - count
-            just_appended = tail >= 0 and bool((layer.positions[:, tail:] >= end).all())
-            if just_appended and not bool((layer.positions[:, :tail] >= end).any()):
+            # a head holds each position at most once, so if the last `count` columns are all drafts, they all are
+            if tail >= 0 and bool((layer.positions[:, tail:] >= end).all()):
                 layer.truncate(tail)
             else:
                 layer.keep(layer.positions < end)
