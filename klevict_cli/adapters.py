@@ -19,6 +19,8 @@ family is a small subclass holding only what really differs, chosen by `config.m
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -327,6 +329,18 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "deepseek_v2": MLAAdapter,
     "deepseek_v3": MLAAdapter,
 }
+
+
+def run_with_cache(model: nn.Module, cache, **inputs):
+    """Run `model` reading and extending klevict's `cache`. transformers 5.24 renamed the forward's `past_key_values`
+    argument to `cache` (the old name lives on there, deprecated): use the name this version's forward declares, so
+    the same code runs on every transformers 5.x."""
+    return model(**{_cache_keyword(type(model)): cache}, use_cache=True, **inputs)
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:

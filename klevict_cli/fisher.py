@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from klevict_cli.adapters import run_with_cache
 from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache
 
@@ -62,8 +63,8 @@ def head_output_gradients(
         embeds = model.get_input_embeddings()(ids).detach().clone().requires_grad_(True)
         ctx = ForwardContext(FrozenCache(cache, len(probe_ids) if live else 0), probe_rope.clone(), captured={})
         with forward_context(ctx):
-            logits = model(
-                inputs_embeds=embeds, position_ids=probe_rope.clone()[None], cache=ctx.cache, use_cache=True,
+            logits = run_with_cache(
+                model, ctx.cache, inputs_embeds=embeds, position_ids=probe_rope.clone()[None],
                 logits_to_keep=len(probe_ids),
             ).logits[0].float()
         logp = logits.log_softmax(dim=-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,6 +50,19 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
     return model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_device():
+    """KLEVICT_TEST_DEVICE=cuda runs the unit tests with every tensor they create (tiny models included) on that
+    device, to check the engine, kernels and file format on a GPU. Unset, everything stays on the CPU."""
+    name = os.environ.get("KLEVICT_TEST_DEVICE")
+    if not name:
+        yield torch.device("cpu")
+        return
+    torch.set_default_device(name)
+    yield torch.device(name)
+    torch.set_default_device(None)
 
 
 @pytest.fixture(scope="module")

@@ -168,13 +168,14 @@ def test_generation_is_deterministic_given_a_seed(model):
 def test_past_then_chunk_attention_equals_one_masked_call():
     from klevict_cli.attention import _attend_past_then_chunk
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # a CPU-only kernel: its inputs stay on the CPU under KLEVICT_TEST_DEVICE
     hq, hk, t, past, d = 6, 3, 9, 20, 8
-    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h, n in ((hq, t), (hk, past + t), (hk, past + t)))
-    valid = torch.rand(hk, past, generator=gen) > 0.4
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, device="cpu")
+               for h, n in ((hq, t), (hk, past + t), (hk, past + t)))
+    valid = torch.rand(hk, past, generator=gen, device="cpu") > 0.4
     valid[1] = False  # a head whose whole past was evicted (padding only)
     k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.ones(t, t, dtype=torch.bool, device="cpu").tril()
     mask = torch.cat((valid.repeat_interleave(2, dim=0)[:, None].expand(-1, t, -1), causal.expand(hq, -1, -1)), -1)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=0.3)
     actual = _attend_past_then_chunk(q, k, v, valid, groups=2, scaling=0.3)

@@ -49,8 +49,8 @@ def assert_same(a: KvcFile, b: KvcFile) -> None:
     for x, y in zip(a.layers, b.layers):
         for field in kvc.LAYER_FIELDS:
             tx, ty = getattr(x, field), getattr(y, field)
-            assert tx.dtype == ty.dtype and tx.shape == ty.shape and torch.equal(tx, ty), field
-    assert torch.equal(a.tokens, b.tokens) and a.tokens.dtype == b.tokens.dtype
+            assert tx.dtype == ty.dtype and tx.shape == ty.shape and torch.equal(tx.cpu(), ty.cpu()), field
+    assert torch.equal(a.tokens.cpu(), b.tokens.cpu()) and a.tokens.dtype == b.tokens.dtype
 
 
 @pytest.fixture

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU check, run from the repository root on a machine with a CUDA GPU (klevict is already importable there):
+#
+#   bash examples/gpu_check.sh tests                      # the unit tests, every tensor on the GPU
+#   bash examples/gpu_check.sh real MODEL DOC OUTDIR [LONG_DOC]  # the real model end to end (DOC), then the
+#                                                                 # bench, cost and perf tables (LONG_DOC)
+#
+# Each step has its own time limit and the script goes on after a failure, so one run reports everything; it exits
+# non-zero if any step failed. CI never runs this (it has no GPU).
+set -u
+export PYTHONUNBUFFERED=1 KLEVICT_CACHE_DIR=${KLEVICT_CACHE_DIR:-/tmp/klevict-cache}
+py=${PYTHON:-python3}
+dev=${DEVICE:-cuda}
+failed=0
+step() {  # step SECONDS COMMAND...: run it, say how long it took and whether it failed
+    local limit=$1 start=$SECONDS; shift
+    echo "== $*"
+    timeout "$limit" "$@" || { echo "!! failed (rc $?): $*"; failed=1; }
+    echo "== $((SECONDS - start)) s"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+case "${1:-}" in
+tests)
+    KLEVICT_TEST_DEVICE=cuda step 300 $py -m pytest -q -p no:warnings -p no:cacheprovider -m "not integration" tests
+    ;;
+real)
+    model=$2 doc=$3 out=$4 long=${5:-$3}
+    k="$py -m klevict_cli"
+    step 150 $k summarize "$doc" --model "$model" --device "$dev" --budget 5% --json --max-new-tokens 96 \
+        >"$out/summary.json"
+    head -c 600 "$out/summary.json"; echo
+    step 60 $k compress "$doc" --model "$model" --device "$dev" --budget 5% -o /tmp/doc.kvc
+    step 30 $k inspect /tmp/doc.kvc
+    for device in "$dev" cpu; do  # the same file answers on either device
+        step 45 $k ask /tmp/doc.kvc "Who is Ishmael?" --model "$model" --device $device --max-new-tokens 48 --json \
+            >"$out/ask-$device.json"
+        head -c 400 "$out/ask-$device.json"; echo
+    done
+    step 120 $py examples/cost.py "$long" --model "$model" --device "$dev" --methods kl,snapkv,caote \
+        --budgets 20%,10%,5% --reps 2 --json "$out/cost-cuda.json"
+    step 240 $k bench "$long" --model "$model" --device "$dev" --methods all --windows 8 --seed 0 \
+        --json "$out/bench-cuda.json"
+    step 120 $py examples/perf.py "$long" --model "$model" --device "$dev" --dtype bfloat16 --json "$out/perf-cuda.json"
+    ;;
+*)
+    echo "usage: bash examples/gpu_check.sh tests | real MODEL DOC OUTDIR [LONG_DOC]" >&2
+    exit 2
+    ;;
+esac
+exit $failed
