@@ -298,3 +298,20 @@ def test_look_ahead_is_deterministic_given_a_seed(model, mode):
         return [layer.positions.tolist() for layer in stream.cache.layers]
 
     assert kept(3) == kept(3)
+
+
+def test_the_cache_goes_in_under_the_name_the_forward_declares():
+    """transformers 5.24 renamed `past_key_values` to `cache`; under the wrong name a model silently builds its own."""
+    from klevict_cli.adapters import run_with_cache
+
+    class Before524(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=False, **kwargs):
+            return past_key_values if use_cache and not kwargs else None
+
+    class Since524(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=False, **kwargs):
+            return cache if use_cache and not kwargs else None
+
+    ours = object()
+    assert run_with_cache(Before524(), ours, input_ids=[1]) is ours
+    assert run_with_cache(Since524(), ours, input_ids=[1]) is ours
