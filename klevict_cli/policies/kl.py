@@ -4,7 +4,7 @@ Scores are estimated KL divergences in nats (kernels/kl.py), so they are compara
 budget is allocated globally by one top-k. Two propagations from a layer's head outputs to the logits:
   * `direct` — the final-norm Jacobian and the unembedding of the probe's top-k tokens, as if the residual change
     passed straight to the last layer. Cheap (no backward); ranks well inside a layer, but its magnitudes drift
-    across layers because it ignores what later layers do. So it is calibrated: at the first eviction a few
+    across layers because it ignores what later layers do. So it is calibrated: at the first eviction two
     Fisher samples give, per KV head of every layer, the typical ratio of the full-path to the direct-path KL, and
     every direct score of that head is multiplied by it.
   * `fisher` — gradients of sampled labels' log-probabilities through all later layers (klevict_cli/fisher.py):
@@ -36,7 +36,7 @@ class KL(Policy):
     needs_probes = True
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
-                 samples: int = 4, calibrate: bool = True, final_propagation: str = "direct",
+                 samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 64):
         self.propagation = propagation
         self.allocation = allocation
@@ -142,7 +142,7 @@ class KLFisher(KL):
     variant = True
 
     def __init__(self):
-        super().__init__(propagation="fisher")
+        super().__init__(propagation="fisher", samples=4)  # each eviction's scores, not just a per-head ratio
 
 
 class KLLayer(KL):
