@@ -62,6 +62,7 @@ def main() -> None:
             fisher4 = KL(propagation="fisher", samples=4, probes="frozen").fisher_scores(step, layers)
             fisher4_live = KL(propagation="fisher", samples=4, probes="live").fisher_scores(step, layers)
             fisher16_live = KL(propagation="fisher", samples=16, probes="live").fisher_scores(step, layers)
+            fisher2_live = KL(propagation="fisher", samples=2, probes="live").fisher_scores(step, layers)
             estimates = {  # in the order of the printed table
                 "direct": direct,
                 "direct_rank8": rank8,
@@ -72,6 +73,8 @@ def main() -> None:
                     direct, calibration_ratios(direct, fisher16, step, per_head=True)),
                 "direct_head_calibrated_live": apply_calibration(
                     direct, calibration_ratios(direct, fisher4_live, step, per_head=True)),
+                "direct_head_calibrated_live2": apply_calibration(  # the default: 2 samples, live probes
+                    direct, calibration_ratios(direct, fisher2_live, step, per_head=True)),
                 "fisher4": fisher4, "fisher16": fisher16, "fisher4_live": fisher4_live, "fisher16_live": fisher16_live,
             }
         for layer in layers:
