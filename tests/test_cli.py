@@ -25,6 +25,14 @@ from .conftest import make_tokenizer, tiny_llama
 
 RUNNER = CliRunner()
 
+
+@pytest.fixture(scope="module", autouse=True)  # before the module's other fixtures, which run the CLI too
+def cpu_by_default():
+    """The CLI runs in this process: under KLEVICT_TEST_DEVICE it must still see a CPU default, as it would for a
+    user (`--device` chooses where the model runs)."""
+    with torch.device("cpu"):
+        yield
+
 DOC_TEXT = """Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse,
 and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part of
 the world.

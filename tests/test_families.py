@@ -187,9 +187,11 @@ def _round_trip(adapter, stream: Stream, path) -> Stream:
               for layer in stream.cache.layers]
     save_kvc(path, KvcFile(layers, torch.tensor(stream.tokens, dtype=torch.int32), {"model_id": "tiny"}))
     specs = [LayerSpec(s.kv_heads, s.key_dim, s.value_dim) for s in adapter.layer_shapes()]
-    loaded = load_kvc(path, specs=specs)
+    loaded = load_kvc(path, specs=specs)  # on the CPU, wherever the stream lives
+    device = stream.cache.layers[0].keys.device
     cache = KVCache([
-        LayerCache(*(t.long() if t.dtype == torch.int32 else t for t in padded_from_packed(packed)), shape.window)
+        LayerCache(*((t.long() if t.dtype == torch.int32 else t).to(device) for t in padded_from_packed(packed)),
+                   shape.window)
         for packed, shape in zip(loaded.layers, adapter.layer_shapes())
     ])
     return Stream(cache, loaded.tokens.tolist(), stream.next_rope)
@@ -230,7 +232,7 @@ def test_the_fisher_estimator_ranks_like_the_float64_oracle(family):
     for layer_idx in layers:
         layer = stream.cache.layers[layer_idx]
         heads, columns = layer.keys.shape[0], layer.capacity - probes
-        picks = torch.randperm(heads * columns, generator=generator)[:24].tolist()
+        picks = torch.randperm(heads * columns, generator=generator, device="cpu")[:24].tolist()
         entries = [(layer_idx, p // columns, p % columns) for p in picks]
         truth = leave_one_out_kl(model64, stream, probes, entries)
         estimate = torch.stack([scores[layer_idx][h, c] for _, h, c in entries])

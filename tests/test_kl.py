@@ -109,7 +109,8 @@ def test_live_probe_gradients_are_those_of_a_plain_forward_of_the_whole_text(pro
             embeds = model.get_input_embeddings()(torch.tensor([stream.tokens])).detach().requires_grad_(True)
             logp = model(inputs_embeds=embeds).logits[0, -w:].float().log_softmax(dim=-1)
             generator = torch.Generator().manual_seed(7)
-            labels = torch.multinomial(logp.detach().exp(), samples, replacement=True, generator=generator)
+            labels = torch.multinomial(logp.detach().exp().cpu(), samples, replacement=True, generator=generator)
+            labels = labels.to(logp.device)
             heads = [captured[i] for i in range(3)]
             for s in range(samples):
                 grads = torch.autograd.grad(logp.gather(1, labels[:, s : s + 1]).sum(), heads, retain_graph=True)

@@ -310,7 +310,8 @@ def test_wrong_shape_for_the_model(saved):
 
 def test_lengths_not_summing_to_entries(tmp_path):
     tensors, metadata = raw_parts_of_new(tmp_path)
-    tensors["layers.0.lengths"] = tensors["layers.0.lengths"] + torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    lengths = tensors["layers.0.lengths"]
+    tensors["layers.0.lengths"] = lengths + torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=lengths.device)
     write_raw(tmp_path / "l.kvc", tensors, metadata)
     rejects(tmp_path / "l.kvc", "head lengths sum to")
 
