@@ -57,12 +57,11 @@ def test_device():
     """KLEVICT_TEST_DEVICE=cuda runs the unit tests with every tensor they create (tiny models included) on that
     device, to check the engine, kernels and file format on a GPU. Unset, everything stays on the CPU."""
     name = os.environ.get("KLEVICT_TEST_DEVICE")
-    if not name:
-        yield torch.device("cpu")
-        return
-    torch.set_default_device(name)
-    yield torch.device(name)
-    torch.set_default_device(None)
+    if name:
+        torch.set_default_device(name)
+    yield
+    if name:
+        torch.set_default_device(None)
 
 
 @pytest.fixture(scope="module")
