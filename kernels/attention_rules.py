@@ -35,3 +35,31 @@ def pyramid_budgets(budget: int, num_layers: int, floor: int, beta: float = 20.0
     for i in range(budget * num_layers - sum(budgets)):  # fewer than num_layers: one each from the bottom up
         budgets[i] += 1
     return budgets
+
+
+def attention_column_sums(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, scaling: float,
+                          block: int = 128) -> torch.Tensor:
+    """The attention every cached entry receives, summed over all queries and the query heads of its group (H2O's
+    "observed attention"), computed `block` query rows at a time so the (Hq, T, C) map never exists whole.
+    query (Hq, T, D); key (H_kv, C, D); allowed (H_kv, T, C) -> (H_kv, C)."""
+    h_kv = key.shape[0]
+    groups = query.shape[0] // h_kv
+    total = torch.zeros(h_kv, key.shape[1], device=key.device)
+    for start in range(0, query.shape[1], block):
+        q = query[:, start : start + block].float()
+        rows = q.reshape(h_kv, groups * q.shape[1], -1)  # a group's heads as rows of its KV head
+        logits = torch.bmm(rows, key.float().transpose(1, 2)).view(h_kv, groups, q.shape[1], -1) * scaling
+        logits = logits.masked_fill(~allowed[:, None, start : start + block], float("-inf"))
+        total += logits.softmax(dim=-1).nan_to_num(0.0).sum(dim=(1, 2))
+    return total
+
+
+def restricted_max_attention(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+    """KVzip's score: each probe row's attention renormalised over the entries `inside` (H_kv, C) — the attention
+    sinks, the span being reconstructed and the reconstruction itself — and maxed over the rows and the query heads
+    of a group, for the `judged` (H_kv, C) entries (0 elsewhere). weights (Hq, W, C) -> (H_kv, C)."""
+    h_kv = inside.shape[0]
+    w = weights.float().view(h_kv, -1, weights.shape[-1])  # (H_kv, groups·W, C)
+    w = w * inside[:, None, :]
+    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    return w.amax(dim=1) * judged

@@ -11,6 +11,7 @@ attention map of the chunk.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ class ForwardContext:
     probes: dict[int, LayerProbe] = field(default_factory=dict)
     residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
     captured: dict[int, torch.Tensor] | None = None  # head outputs kept in the autograd graph (Fisher re-runs)
+    # (layer_idx, layer, query (Hq, T, D), key (H_kv, C, D), query_positions, scaling): policies that see every query
+    observer: Callable | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
@@ -138,6 +141,8 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
         out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions), scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
+    if ctx.observer is not None:
+        ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling)
     if ctx.probe_rows:
         w = min(ctx.probe_rows, query.shape[2])
         q = query[0, :, -w:]

@@ -57,7 +57,9 @@ class BenchSettings:
     probe_window: int = 32
     task: str = "fidelity"
     needles: int = 4
-    answer_tokens: int = 8
+    answer_tokens: int = 32  # room for the model to restate the question before the number
+    working: float | None = None  # working limit, × the budget (None: the engine's default)
+    reconstruct: bool = False  # kl: reconstruction probes too, as `compress` uses
 
 
 @dataclass
@@ -219,7 +221,7 @@ def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
     from klevict_cli.session import ReadSettings
 
     read = ReadSettings(budget=None, chunk_size=settings.chunk_size, probe_window=settings.probe_window,
-                        seed=settings.seed)
+                        seed=settings.seed, working=settings.working, reconstruct=settings.reconstruct)
     reference = session.engine("none", None, read, "original")
     methods = {(m, label): session.engine(m, tokens, read, "original")
                for m in settings.methods for label, tokens in budgets.items()}

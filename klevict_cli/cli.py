@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -385,6 +386,12 @@ def bench(
                                       "of inserted facts) or both.")] = "fidelity",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw per-window number and the "
                                                    "settings to this file.")] = None,
+    needles: Annotated[int, typer.Option("--needles", help="Facts planted per needle haystack.")] = 4,
+    answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Tokens each needle answer may use.")] = 32,
+    working: Annotated[float | None, typer.Option("--working", help="Working limit while reading, as a multiple of"
+                                                  " the budget (default 4; 1 evicts after every chunk).")] = None,
+    reconstruct: Annotated[bool, typer.Option("--reconstruct/--no-reconstruct", help="kl: judge entries by "
+                                              "reconstruction probes too, as compress does.")] = False,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     seed: SeedOpt = None, probe_window: ProbeOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
@@ -396,13 +403,17 @@ def bench(
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
                            probe_window=probe_window, quiet=quiet)
-    for name, value in (("windows", windows), ("context", context), ("continuation", continuation)):
+    for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
+                        ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)
+    if working is not None and not (math.isfinite(working) and working >= 1):
+        raise UsageError(f"invalid --working {working}; give a multiple of the budget, at least 1")
     check_choice("task", task, TASKS)
     settings = BenchSettings(
         methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
-        probe_window=opts["probe_window"], task=task,
+        probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
+        reconstruct=reconstruct,
     )
     if json_path is not None and json_path.is_dir():
         raise UsageError(f"--json {json_path} is a directory")

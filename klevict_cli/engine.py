@@ -7,6 +7,7 @@ re-rotated after every eviction so that they sit at consecutive positions ending
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,9 +21,11 @@ from klevict_cli.cache import KVCache
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
+from klevict_cli.probes import Drafts, ProbeSet, Reconstruction
+from klevict_cli.sampling import penalise_repeats, sample
 
 POSITION_MODES = ("auto", "original", "compact")
-DRAFT_ROUNDS = 2  # Jacobi refinements of the look-ahead draft (Engine.draft)
+WORKING_FACTOR = 4  # default working limit: this many times the budget (docs/method.md, "Lazy eviction")
 
 
 @dataclass
@@ -33,13 +36,15 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     next_rope: int = 0
     policy_state: dict[str, str] = field(default_factory=dict)  # what the policy learnt reading it (kl: calibration)
+    reconstructed: int = 0  # positions before this were judged by reconstruction probes (Engine.reconstruct)
 
     @property
     def next_position(self) -> int:
         return len(self.tokens)
 
     def clone(self) -> Stream:
-        return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state))
+        return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state),
+                      self.reconstructed)
 
 
 @dataclass
@@ -93,7 +98,10 @@ def plan_positions(
 
 
 class Engine:
-    """Reads tokens into a `Stream`, evicting with `policy` whenever a layer exceeds `budget` entries per head."""
+    """Reads tokens into a `Stream` and evicts with `policy` so that it ends with `budget` entries per KV head,
+    holding at most `working` entries per head (default: WORKING_FACTOR × budget, never less than budget + one
+    chunk) while reading. `reconstruction` (probes.Reconstruction) judges every span once it is read, for the
+    policies that use it."""
 
     def __init__(
         self,
@@ -106,6 +114,8 @@ class Engine:
         mode: str = "original",
         seed: int = 0,
         head_cap: int | None = None,
+        working: int | None = None,
+        reconstruction: Reconstruction | None = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -115,10 +125,17 @@ class Engine:
         self.probe_window = probe_window
         self.mode = mode
         self.head_cap = head_cap
-        self.lookahead = policy.lookahead if policy.needs_probes else 0
+        if self.budget is not None:
+            working = WORKING_FACTOR * self.budget if working is None else working
+            self.working = max(working, self.budget + chunk_size)
+        self.drafts = Drafts(policy.lookahead) if policy.needs_probes and policy.lookahead else None
+        if policy.reconstruction == "required" and reconstruction is None:
+            raise ValueError(f"{policy.name} judges entries by reconstruction probes: pass a reconstruction source")
+        self.reconstruction = reconstruction if policy.reconstruction != "never" else None
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
+        self.observer = functools.partial(policy.observe, adapter) if policy.observes else None
         self.shapes = adapter.layer_shapes()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -142,7 +159,7 @@ class Engine:
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         rope = torch.arange(stream.next_rope, stream.next_rope + t, device=self.device)
         stream.cache.begin(positions, rope)
-        ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows)
+        ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=self.observer)
         with forward_context(ctx):
             out = run_with_cache(
                 self.model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
@@ -157,21 +174,28 @@ class Engine:
     def feed(
         self, stream: Stream, ids: list[int], evict: bool = True, progress: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Read `ids` chunk by chunk, evicting after each chunk while over budget. Returns the last token's logits."""
+        """Read `ids` chunk by chunk. The cache grows up to the working limit before anything is evicted; when the
+        next chunk would overflow it, the cache is evicted down to the budget, judged by the last tokens read. After
+        the last chunk the final choice is made from everything held, with the best probes (look-ahead drafts when
+        the policy asks for them). Returns the last token's logits."""
         logits = None
-        for start in range(0, len(ids), self.chunk_size):
+        starts = list(range(0, len(ids), self.chunk_size))
+        for n, start in enumerate(starts):
             chunk = ids[start : start + self.chunk_size]
-            must_evict = evict and self._over_budget(stream, len(chunk))
+            final = n == len(starts) - 1
+            upcoming = 0 if final else len(ids[starts[n + 1] : starts[n + 1] + self.chunk_size])
+            must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
-            final = start + self.chunk_size >= len(ids)
-            # the read's last eviction is probed by tokens drafted past its end (if the positions have room)
-            drafts = min(self.lookahead, self.adapter.max_positions - stream.next_rope - len(chunk)) if final else 0
-            rows = recent if must_evict and self.policy.needs_probes and drafts <= 0 else 0
+            drafted = final and self.drafts is not None
+            rows = recent if must_evict and self.policy.needs_probes and not drafted else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows)
-            if must_evict and drafts > 0:
-                self.evict_looking_ahead(stream, logits[-1], recent, drafts)
-            elif must_evict:
-                self.evict(stream, ctx, logits, recent, final=final)
+            if must_evict:
+                if self.reconstruction is not None:
+                    self.reconstruct(stream)
+                if drafted:
+                    self.evict_with(stream, self.drafts.probe_sets(self, stream, logits[-1]), recent, final=True)
+                else:
+                    self.evict(stream, ctx, logits, recent, final=final)
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -195,12 +219,14 @@ class Engine:
         heads = sum(layer.keys.shape[0] for layer in layers)
         return sum(int(layer.valid.sum()) for layer in layers) / max(heads, 1)
 
-    def _over_budget(self, stream: Stream, incoming: int) -> bool:
-        """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than `budget` entries
-        per head in total (sliding-window layers are trimmed after every chunk regardless, without scoring)."""
+    def _must_evict(self, stream: Stream, incoming: int, upcoming: int) -> bool:
+        """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than the budget (the
+        read's last chunk, `upcoming` == 0) or could not take the next chunk of `upcoming` tokens within the
+        working limit. Sliding-window layers are trimmed after every chunk regardless, without scoring."""
         if self.budget is None:
             return False
-        return self.held_per_head(stream) + incoming > self.budget
+        held = self.held_per_head(stream) + incoming
+        return held > self.budget if not upcoming else held + upcoming > self.working
 
     def trim_windows(self, stream: Stream) -> None:
         """Drop what sliding-window layers can no longer see (nothing to score: the window decides)."""
@@ -208,8 +234,8 @@ class Engine:
             if layer.window is not None and layer.capacity > layer.window:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
-    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False
-                      ) -> EvictionStep:
+    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False,
+                      judged: tuple[int, int] | None = None) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
@@ -220,6 +246,7 @@ class Engine:
             logits=logits[-w:] if ctx.probe_rows else None,
             generator=self.generator,
             final=final,
+            judged=judged,
             backward=lambda samples, live: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
                 torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
@@ -229,63 +256,65 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False, drafts: int = 0,
+        final: bool = False,
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
-        by policy score; the `recent` last tokens are always kept. With `drafts`, the stream ends in that many
-        sampled tokens that are the probes (`ctx`, `logits` are theirs) and are forgotten once the choice is made."""
+        by policy score, judged by the probes of the forward that produced `ctx` (its last tokens); the `recent`
+        last tokens are always kept."""
+        w = min(recent, stream.next_position)
+        scored = self._scored_layers(stream)
+        scores = self.policy.score_layers(self.eviction_step(stream, ctx, logits, w, final), list(scored))
+        self._keep_best(stream, scores, recent, budget)
+
+    @torch.inference_mode()
+    def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
+                   final: bool = False) -> None:
+        """`evict`, judged by probe sets appended to the stream (drafts, ...) instead of the last tokens read: each
+        set is scored and forgotten in turn, and the entries' scores add up over the sets."""
+        scored = self._scored_layers(stream)
+        held = {i: layer.capacity for i, layer in scored.items()}
+        total: dict[int, torch.Tensor] = {}
+        for probe_set in probe_sets:
+            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final)
+            for i, s in self.policy.score_layers(step, list(scored)).items():
+                s = s[:, : held[i]].float()
+                total[i] = total[i] + s if i in total else s
+            self.forget_drafts(stream, probe_set.appended)
+        if not total:  # no room for probes past the end: judge by the last tokens read instead
+            logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
+            return self.evict(stream, ctx, logits, recent, budget, final)
+        self._keep_best(stream, total, recent, budget)
+
+    def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None) -> None:
         budget = self.budget if budget is None else budget
-        w = min(recent, stream.next_position - drafts)
-        step = self.eviction_step(stream, ctx, logits, drafts or w, final)
         scored = self._scored_layers(stream)
         if budget is not None and scored:
-            held = w + drafts  # the drafts are held through the choice (each head, on top of its budget), then dropped
-            protect = {i: layer.positions >= stream.next_position - held for i, layer in scored.items()}
-            scores = self.policy.score_layers(step, list(scored))
+            w = min(recent, stream.next_position)
+            protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
             if self.policy.allocation == "global":
-                masks = select_global(scored, scores, budget + drafts, protect, min_per_head=held,
-                                      max_per_head=None if self.head_cap is None else self.head_cap + drafts)
+                masks = select_global(scored, scores, budget, protect, min_per_head=w, max_per_head=self.head_cap)
             else:
                 budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
-                masks = {
-                    i: select_keep(layer, scores[i], (budgets[i] if budgets else budget) + drafts, protect[i])
-                    for i, layer in scored.items()
-                }
+                masks = {i: select_keep(layer, scores[i], budgets[i] if budgets else budget, protect[i])
+                         for i, layer in scored.items()}
             for i, mask in masks.items():
                 scored[i].keep(mask)
-        if drafts:
-            self.forget_drafts(stream, drafts)
         self.trim_windows(stream)  # last: the Fisher re-run needs the probes as every layer's last columns
         if self.mode == "compact":
             self.compact(stream)
 
     @torch.inference_mode()
-    def evict_looking_ahead(self, stream: Stream, last_logits: torch.Tensor, recent: int, count: int) -> None:
-        """The read's last eviction, scored with probes from its future: `count` tokens sampled past the end of the
-        read. What the saved cache must serve is the text that follows, and a sample of what the model expects next
-        asks for it better than the last tokens read, whose own questions have been answered (every earlier
-        eviction already has the chunk after it to judge by). The drafts are forgotten afterwards."""
-        logits, ctx = self.draft(stream, last_logits, count)
-        self.evict(stream, ctx, logits, recent, final=True, drafts=logits.shape[0])
-
-    @torch.inference_mode()
-    def draft(self, stream: Stream, last_logits: torch.Tensor, count: int) -> tuple[torch.Tensor, ForwardContext]:
-        """Append `count` tokens sampled past the end of the stream; returns their logits and probe statistics.
-
-        Sampling them one at a time would cost `count` forwards. Instead every position is sampled at once and
-        refined (Jacobi iterations): start from one sampled token followed by the last tokens read, then
-        `DRAFT_ROUNDS` times re-sample every position from the model's distribution given the draft before it.
-        The first DRAFT_ROUNDS + 1 tokens are then true samples and the rest are text sampled from a nearly right
-        context; probes need queries like those of the text to come, not exact text. (README: with 32 drafts, its
-        caches were within 8 % of one-at-a-time sampling's in KL for a third of the drafting cost; greedy drafts did
-        worse than sampled ones.)"""
-        first = sample(last_logits, 1.0, 1.0, self.generator)
-        draft = [first] + stream.tokens[max(0, len(stream.tokens) - count + 1) :]
-        for _ in range(DRAFT_ROUNDS):
-            logits, _ = self.forward(stream, draft, logits_rows=len(draft))
-            self.forget_drafts(stream, len(draft))
-            draft = [first] + sample_rows(logits[:-1], self.generator)
-        return self.forward(stream, draft, probe_rows=len(draft))
+    def reconstruct(self, stream: Stream) -> None:
+        """Judge the entries read since the last time by reconstruction probes (probes.Reconstruction): the policy
+        keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`)."""
+        scored = list(self._scored_layers(stream))
+        for probe_set in self.reconstruction.probe_sets(self, stream, stream.reconstructed):
+            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
+                                      judged=probe_set.judged)
+            step.read_end = stream.next_position - probe_set.appended
+            self.policy.absorb_reconstruction(step, scored)
+            self.forget_drafts(stream, probe_set.appended)
+        stream.reconstructed = stream.next_position
 
     def forget_drafts(self, stream: Stream, count: int) -> None:
         """Drop the last `count` tokens of the stream (sampled drafts): their cache entries, tokens and positions.
@@ -358,34 +387,3 @@ class Engine:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
                 self.evict(stream, ctx, probe_logits, recent, budget=limit)
-
-
-def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, window: int = 64) -> torch.Tensor:
-    """Make the answer's last `window` tokens less likely again (positive logits divided by `penalty`, negative
-    ones multiplied): small models decoding greedily from a heavily compressed cache otherwise fall into loops."""
-    if penalty == 1.0 or not previous:
-        return logits
-    index = torch.tensor(sorted(set(previous[-window:])), device=logits.device)
-    seen = logits[index]
-    return logits.index_copy(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
-
-
-def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """One token from each row's distribution (temperature 1), by the Gumbel-max trick: the argmax of the logits plus
-    independent Gumbel noise is a sample of their softmax. A third of the time of `torch.multinomial` on the CPU for
-    the draft's 64 rows over a 49k vocabulary (25 ms instead of 79 ms)."""
-    uniform = torch.rand(logits.shape, generator=generator, device=generator.device)
-    noise = uniform.log_().neg_().log_()  # log(-log u) = -g for Gumbel noise g
-    return (logits.float().to(noise.device) - noise).argmax(dim=-1).tolist()
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = (logits.float().cpu() / temperature).softmax(dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        outside = sorted_p.cumsum(dim=-1) - sorted_p > top_p
-        sorted_p[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))

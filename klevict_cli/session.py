@@ -25,6 +25,7 @@ from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, pa
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
 from klevict_cli.policies import POLICIES, make_policy
+from klevict_cli.probes import Reconstruction
 from klevict_cli.prompts import frame_for, stop_ids
 
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
@@ -40,6 +41,8 @@ class ReadSettings:
     seed: int = 0
     max_new_tokens: int = 256  # planned answer length (room reserved in the positions)
     max_memory: int | None = None  # bytes; refuse up front what would not fit
+    working: float | None = None  # working limit as a multiple of the budget (None: engine.WORKING_FACTOR)
+    reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
 
 
 @dataclass
@@ -73,10 +76,15 @@ class Session:
 
     def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
                head_cap: int | None = None) -> Engine:
+        policy = make_policy(method)
+        wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
+        closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
         return Engine(
-            self.lm.model, self.adapter, make_policy(method), budget,
+            self.lm.model, self.adapter, policy, budget,
             chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
-            head_cap=head_cap,
+            head_cap=head_cap, working=None if settings.working is None or budget is None else int(
+                settings.working * budget),
+            reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing) if wanted else None,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapters import adapter_for
-from klevict_cli.engine import Engine, plan_positions, sample_rows
+from klevict_cli.engine import Engine, plan_positions
+from klevict_cli.sampling import sample_rows
 from klevict_cli.errors import ResourceError
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
@@ -183,7 +184,7 @@ def test_past_then_chunk_attention_equals_one_masked_call():
 
 
 def test_repetition_penalty_lowers_only_the_answers_recent_tokens():
-    from klevict_cli.engine import penalise_repeats
+    from klevict_cli.sampling import penalise_repeats
 
     logits = torch.tensor([2.0, -1.0, 3.0, 0.5])
     out = penalise_repeats(logits, [0, 1, 0], 2.0)
@@ -224,7 +225,7 @@ def test_look_ahead_probes_the_last_eviction_with_drafts_and_forgets_them(model)
     torch.manual_seed(5)
     ids = torch.randint(0, 300, (96,)).tolist()
     policy = ProbeSpy(lookahead=6)
-    engine = Engine(model, adapter_for(model), policy, budget=24, chunk_size=32, probe_window=8)
+    engine = Engine(model, adapter_for(model), policy, budget=24, chunk_size=32, probe_window=8, working=0)
     stream = engine.new_stream()
     engine.feed(stream, ids)
     *earlier, last = policy.seen
@@ -249,7 +250,7 @@ def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
     stream = engine.new_stream()
     logits = engine.feed(stream, ids)
     engine.budget = 70  # room for every entry: the eviction runs, drafts and all, and keeps everything
-    engine.evict_looking_ahead(stream, logits, recent=8, count=8)
+    engine.evict_with(stream, engine.drafts.probe_sets(engine, stream, logits), recent=8, final=True)
     assert stream.tokens == ids and stream.next_rope == 70
     got = engine.feed(stream, question, evict=False)
     assert (got - expected).abs().max().item() <= 1e-4

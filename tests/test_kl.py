@@ -178,7 +178,7 @@ def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_back
     model = tiny_llama(seed=3)
     ids = torch.randint(0, 300, (200,)).tolist()
     engine = Engine(model, adapter_for(model), KL(final_propagation=final_propagation), budget=30, chunk_size=40,
-                    probe_window=8)
+                    probe_window=8, working=0)  # working limit budget + one chunk: an eviction after every chunk
     evictions, backward = [], []
     score_layers, fisher_scores = KL.score_layers, KL.fisher_scores
     monkeypatch.setattr(KL, "score_layers", lambda self, step, ids: evictions.append(step.final)

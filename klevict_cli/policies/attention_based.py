@@ -1,4 +1,4 @@
-"""Policies that rank entries by the attention the probe queries pay them: `pyramidkv`, `h2o`, `tova`.
+"""Policies that rank entries by the attention queries pay them: `pyramidkv`, `h2o`, `tova`, `observed_attention`.
 
 Per-query-head attention is folded over a GQA group by SUM: an entry serves every query head of its group, so its
 total use is what matters. The most recent tokens (the probe window) are always kept by the engine, which gives
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_rules import last_query_attention, pyramid_budgets, window_attention
+from kernels.attention_rules import attention_column_sums, last_query_attention, pyramid_budgets, window_attention
+from klevict_cli.attention import attention_mask
+from klevict_cli.errors import ModelError
 from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.policies.snapkv import SnapKV
 
@@ -61,3 +63,26 @@ class TOVA(Policy):
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         layer = step.cache.layers[layer_idx]
         return last_query_attention(step.probes[layer_idx].weights, layer.keys.shape[0])
+
+
+class ObservedAttention(Policy):
+    """`observed_attention` (H2O's accumulated attention, Zhang et al., 2023, arXiv:2306.14048, as kvpress's
+    ObservedAttentionPress computes it): the attention each entry received from every query read after it, divided
+    by how many queries that was. Unlike `h2o` (the probe rows at each eviction), it sees every query of the read."""
+
+    name = "observed_attention"
+    observes = True
+    EXTRA = "observed_attention"
+
+    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
+        if layer.window is not None:
+            return
+        if key.shape[0] != layer.keys.shape[0]:
+            raise ModelError("observed_attention needs per-head keys (not MLA's compressed latent)")
+        sums = attention_column_sums(query, key, attention_mask(layer, query_positions), scaling)
+        layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + sums
+
+    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
+        layer = step.cache.layers[layer_idx]
+        queries_after = (int(step.probe_positions[-1]) + 1 - layer.positions).clamp_min(1)
+        return layer.extra(self.EXTRA) / queries_after

@@ -28,6 +28,8 @@ class EvictionStep:
     logits: torch.Tensor | None = None  # (W, vocab) at the probes
     generator: torch.Generator | None = None
     final: bool = False  # the last eviction of a read: what remains is what questions will see
+    judged: tuple[int, int] | None = None  # only entries at positions [lo, hi) are judged (reconstruction probes)
+    read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
     # (S samples, live probes) -> per layer (W, S, Hq, Dv) gradients (klevict_cli/fisher.py)
     backward: Callable[[int, bool], dict[int, torch.Tensor]] | None = None
 
@@ -39,6 +41,10 @@ class Policy:
     allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
     lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (Engine.draft)
     variant: bool = False  # a variant of another method (e.g. kl-fisher): benched only when named
+    # Reconstruction probes (probes.Reconstruction): "never" used, "optional" (used when the caller asks, e.g.
+    # `compress` with kl), or "required" (kvzip, kvgrad: the method is defined by them).
+    reconstruction: str = "never"
+    observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:
         """Per-layer budgets for uniform allocation (None: `budget` everywhere). PyramidKV-style policies override."""
@@ -51,6 +57,16 @@ class Policy:
     def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         """Scores for several layers at once; override when layers share work (e.g. one backward pass)."""
         return {i: self.score(step, i) for i in layer_ids}
+
+    def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
+        """Learn from one reconstruction probe set (its rows re-read the entries at positions `step.judged`), into
+        per-entry state (`LayerCache.extras`) that later `score` calls read."""
+        raise NotImplementedError(f"{self.name} does not use reconstruction probes")
+
+    def observe(self, adapter: ModelAdapter, layer_idx: int, layer: LayerCache, query: torch.Tensor,
+                key: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> None:
+        """Called by the attention function for every forward when `observes`: query (Hq, T, D) post-RoPE, key
+        (H_kv, C, D) the layer's whole cache including the T new entries, query_positions (T,) rotary."""
 
     def reset(self) -> None:
         """Forget per-document state before a new stream (the engine calls it); most policies have none."""
@@ -67,6 +83,13 @@ class Policy:
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
         return {}
+
+
+def judged_mask(layer: LayerCache, judged: tuple[int, int] | None) -> torch.Tensor:
+    """(H, C) bool: the valid entries a probe set judges (all of them when `judged` is None)."""
+    if judged is None:
+        return layer.valid
+    return layer.valid & (layer.positions >= judged[0]) & (layer.positions < judged[1])
 
 
 def select_keep(layer: LayerCache, scores: torch.Tensor, budget: int, protect: torch.Tensor) -> torch.Tensor:

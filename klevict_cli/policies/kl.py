@@ -28,16 +28,19 @@ import math
 import torch
 
 from kernels.kl import direct_readout, kl_scores, to_head_space
-from klevict_cli.policies.base import EvictionStep, Policy
+from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 
 
 class KL(Policy):
     name = "kl"
     needs_probes = True
+    reconstruction = "optional"
+    EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64):
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64,
+                 reconstruction_weight: float = 1.0):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -47,6 +50,7 @@ class KL(Policy):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         self.lookahead = lookahead
+        self.reconstruction_weight = reconstruction_weight
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -73,12 +77,27 @@ class KL(Policy):
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
-                "lookahead": str(self.lookahead)}
+                "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
 
     def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+        """Estimated KL of removing each entry for these probes, plus (weighted) what the re-reading of its span
+        estimated when it was read (`absorb_reconstruction`), when reconstruction probes were used."""
+        scores = self.probe_scores(step, layer_ids)
+        for i in layer_ids:
+            stored = step.cache.layers[i].extras.get(self.EXTRA)
+            if stored is not None and step.judged is None:
+                scores[i] = scores[i] + self.reconstruction_weight * stored.to(scores[i])
+        return scores
+
+    def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
+        for i, s in self.probe_scores(step, layer_ids).items():
+            layer = step.cache.layers[i]
+            layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + s.float()
+
+    def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         if (self.final_propagation if step.final else self.propagation) == "fisher":
             return self.fisher_scores(step, layer_ids)
         scores = self.direct_scores(step, layer_ids)
@@ -96,7 +115,18 @@ class KL(Policy):
         for i in layer_ids:
             probe, layer = step.probes[i], step.cache.layers[i]
             readout = to_head_space(factors, adapter.output_projection(i).weight, probe.output.shape[0])
-            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
+            if step.judged is None:
+                out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
+                continue
+            # Only the judged entries (one span): gather their columns, score them, scatter back (others 0).
+            columns, present = judged_columns(judged_mask(layer, step.judged))
+            per_query = columns.repeat_interleave(probe.weights.shape[0] // columns.shape[0], dim=0)
+            weights = probe.weights.gather(2, per_query[:, None, :].expand(-1, probe.weights.shape[1], -1))
+            values = layer.values
+            index = columns if values.shape[0] == columns.shape[0] else per_query  # MLA: values per query head
+            values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+            s = kl_scores(weights, probe.output, values, readout, layer.keys.shape[0]) * present
+            out[i] = torch.zeros(layer.valid.shape, dtype=s.dtype, device=s.device).scatter_add_(1, columns, s)
         return out
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -109,6 +139,16 @@ class KL(Policy):
             out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0],
                                fold_probes=live)
         return out
+
+
+def judged_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns where each head's `mask` (H, C) is true, left-aligned and padded to the fullest head:
+    (H, n) column indices (padding repeats column 0) and (H, n) bool, true where real."""
+    counts = mask.sum(dim=1)
+    n = max(int(counts.max()) if counts.numel() else 0, 1)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :n]
+    present = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
+    return order.masked_fill(~present, 0), present
 
 
 def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep,

@@ -1,0 +1,219 @@
+"""Lazy eviction, reconstruction probes and the strongest peers (kvzip, expected_attention, observed_attention):
+each rule against a direct computation, and each in the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention_rules import attention_column_sums, restricted_max_attention
+from kernels.expected_attention import QueryMoments, expected_attention
+from klevict_cli.adapters import adapter_for
+from klevict_cli.engine import Engine
+from klevict_cli.policies import make_policy
+from klevict_cli.policies.kl import KL
+from klevict_cli.probes import Reconstruction
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+FIELDS = ("keys", "values", "positions", "rope_positions", "valid")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+def reconstruction(span: int = 16) -> Reconstruction:
+    return Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=span, overlap=3)
+
+
+class Spy(KL):
+    """kl that records the probe positions of each eviction (not of reconstruction sets)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.evictions: list[int] = []
+        self.peak = 0.0
+
+    def score_layers(self, step, layer_ids):
+        if step.judged is None:
+            self.evictions.append(int(step.probe_positions[-1]) + 1)
+        return super().score_layers(step, layer_ids)
+
+
+# ---- lazy eviction ---------------------------------------------------------------------------------------------
+def test_a_document_within_the_working_limit_is_compressed_in_one_choice(model):
+    ids = torch.randint(0, 300, (120,)).tolist()
+    policy = Spy(lookahead=0)
+    engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=16, probe_window=8, working=120)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert policy.evictions == [120]  # one eviction, after the last chunk
+    assert engine.held_per_head(stream) == 20
+
+
+@pytest.mark.parametrize("working", [0, 40, 64])
+def test_the_cache_never_outgrows_the_working_limit_and_ends_at_the_budget(model, working):
+    ids = torch.randint(0, 300, (150,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=20, chunk_size=16, probe_window=8,
+                    working=working)
+    stream = engine.new_stream()
+    held = []
+    engine.feed(stream, ids, progress=lambda n: held.append(engine.held_per_head(stream)))
+    limit = max(working, 20 + 16)
+    assert engine.working == limit
+    assert max(held) <= limit - 16  # after each chunk (and its eviction) the next chunk still fits
+    assert held[-1] == 20
+
+
+# ---- reconstruction probes -------------------------------------------------------------------------------------
+def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
+    ids = torch.randint(0, 300, (70,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    before = [[getattr(layer, f).clone() for f in FIELDS] for layer in stream.cache.layers]
+    source = reconstruction(span=16)
+    seen = []
+    for probe_set in source.probe_sets(engine, stream, 0):
+        lo, hi = probe_set.judged
+        prompt = [7, 8, 9] if lo == 1 else [10, 11] + ids[lo - 3 : lo]
+        assert stream.tokens == ids + prompt + [12] + ids[lo:hi]  # the instruction, then the span re-read
+        assert probe_set.rows == hi - lo and probe_set.logits.shape[0] == hi - lo
+        seen.append((lo, hi))
+        engine.forget_drafts(stream, probe_set.appended)
+    assert seen == [(1, 17), (17, 33), (33, 49), (49, 65), (65, 70)]
+    assert stream.tokens == ids and stream.next_rope == 70
+    for layer, saved in zip(stream.cache.layers, before):
+        assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
+
+
+def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
+    """The judged-columns path gathers a span's columns; its scores must be the full computation's on them."""
+    ids = torch.randint(0, 300, (60,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0, calibrate=False), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    probe_set = next(reconstruction(span=16).probe_sets(engine, stream, 20))
+    policy = engine.policy
+    full = policy.probe_scores(engine.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows),
+                               [0, 1])
+    step = engine.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, judged=probe_set.judged)
+    span = policy.probe_scores(step, [0, 1])
+    for i in (0, 1):
+        layer = stream.cache.layers[i]
+        inside = (layer.positions >= 20) & (layer.positions < 36)
+        assert torch.allclose(span[i][inside], full[i][inside], rtol=1e-4, atol=1e-9)
+        assert not span[i][~inside].any()
+
+
+def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
+    ids = torch.randint(0, 300, (90,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=20, chunk_size=32, probe_window=8,
+                    reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert stream.reconstructed == 90 and stream.tokens == ids and engine.held_per_head(stream) == 20
+    for layer in stream.cache.layers:
+        stored = layer.extras[KL.EXTRA]
+        assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
+
+
+# ---- kvzip -----------------------------------------------------------------------------------------------------
+def test_restricted_max_attention_matches_a_loop():
+    torch.manual_seed(0)
+    weights = torch.rand(4, 3, 10).softmax(dim=-1)  # 4 query heads, 2 KV heads
+    inside = torch.rand(2, 10) > 0.3
+    judged = inside & (torch.arange(10) < 6)
+    got = restricted_max_attention(weights, inside, judged)
+    for kv in range(2):
+        for j in range(10):
+            best = 0.0
+            for h in (2 * kv, 2 * kv + 1):
+                for t in range(3):
+                    row = weights[h, t] * inside[kv]
+                    best = max(best, float(row[j] / row.sum()))
+            assert got[kv, j].item() == pytest.approx(best if judged[kv, j] else 0.0, rel=1e-5)
+
+
+def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
+    ids = torch.randint(0, 300, (100,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy("kvzip"), budget=24, chunk_size=32, probe_window=8,
+                    working=0, reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert stream.tokens == ids and stream.reconstructed == 100
+    assert engine.held_per_head(stream) == 24
+    for layer in stream.cache.layers:
+        for h in range(layer.keys.shape[0]):
+            kept = set(layer.positions[h][layer.valid[h]].tolist())
+            assert {0, 1, 2, 3} <= kept and max(kept) < 100
+
+
+def test_kvzip_refuses_to_run_without_reconstruction(model):
+    with pytest.raises(ValueError, match="reconstruction"):
+        Engine(model, adapter_for(model), make_policy("kvzip"), budget=24)
+
+
+# ---- observed attention ----------------------------------------------------------------------------------------
+def test_attention_column_sums_match_the_full_attention_map():
+    torch.manual_seed(1)
+    query, key = torch.randn(4, 9, 8), torch.randn(2, 12, 8)
+    allowed = torch.rand(2, 9, 12) > 0.2
+    allowed[..., 0] = True
+    got = attention_column_sums(query, key, allowed, 0.3, block=4)
+    logits = torch.einsum("hqd,hcd->hqc", query, key.repeat_interleave(2, dim=0)) * 0.3
+    weights = logits.masked_fill(~allowed.repeat_interleave(2, dim=0), float("-inf")).softmax(dim=-1)
+    assert torch.allclose(got, weights.view(2, 2, 9, 12).sum(dim=(1, 2)), atol=1e-5)
+
+
+def test_observed_attention_sees_every_query_of_the_read(model):
+    """With one chunk and no eviction, the accumulated attention is the model's own attention map summed."""
+    ids = torch.randint(0, 300, (40,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy("observed_attention"), budget=None, chunk_size=40)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    with torch.no_grad():
+        maps = model(torch.tensor([ids]), output_attentions=True, attn_implementation="eager").attentions
+    for layer, attn in zip(stream.cache.layers, maps):
+        expected = attn[0].view(layer.keys.shape[0], -1, 40, 40).sum(dim=(1, 2))
+        assert torch.allclose(layer.extras["observed_attention"], expected, atol=1e-4)
+
+
+# ---- expected attention ----------------------------------------------------------------------------------------
+def test_expected_attention_without_spread_is_the_attention_of_the_mean_query():
+    torch.manual_seed(2)
+    keys, values = torch.randn(1, 6, 4), torch.randn(1, 6, 3)
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    mean = torch.randn(2, 4)
+    got = expected_attention(keys, values, valid, mean, torch.zeros(2, 4, 4), torch.eye(4), 0.5)
+    probs = (0.5 * torch.einsum("cd,hd->hc", keys[0], mean)).softmax(dim=-1).mean(dim=0)
+    assert torch.allclose(got[0], probs * values[0].norm(dim=-1), atol=1e-6)
+
+
+def test_query_moments_are_those_of_the_pre_rope_queries(model):
+    """The policy un-rotates the post-RoPE queries it observes: their moments must be q_proj's outputs'."""
+    ids = torch.randint(0, 300, (30,)).tolist()
+    policy = make_policy("expected_attention")
+    engine = Engine(model, adapter_for(model), policy, budget=None, chunk_size=30)
+    captured = []
+    attn = model.model.layers[1].self_attn
+    hook = attn.q_proj.register_forward_hook(lambda m, a, out: captured.append(out.detach()))
+    engine.feed(engine.new_stream(), ids)
+    hook.remove()
+    q = captured[0][0, 4:].view(26, -1, attn.head_dim).transpose(0, 1)  # (Hq, T, D), after the 4 sinks
+    reference = QueryMoments(q.shape[0], q.shape[-1], q.device)
+    reference.add(q)
+    got, want = policy.moments[1].mean_and_covariance(), reference.mean_and_covariance()
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("method", ["expected_attention", "observed_attention"])
+def test_each_peer_keeps_exactly_its_budget(model, method):
+    ids = torch.randint(0, 300, (120,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy(method), budget=24, chunk_size=16, probe_window=8,
+                    working=0)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert stream.cache.kept_counts() == [[24] * layer.keys.shape[0] for layer in stream.cache.layers]
