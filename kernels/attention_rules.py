@@ -54,12 +54,26 @@ def attention_column_sums(query: torch.Tensor, key: torch.Tensor, allowed: torch
     return total
 
 
-def restricted_max_attention(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
-    """KVzip's score: each probe row's attention renormalised over the entries `inside` (H_kv, C) — the attention
-    sinks, the span being reconstructed and the reconstruction itself — and maxed over the rows and the query heads
-    of a group, for the `judged` (H_kv, C) entries (0 elsewhere). weights (Hq, W, C) -> (H_kv, C)."""
+def restricted_attention(weights: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """Each probe row's attention renormalised over the entries `inside` (H_kv, C) — for KVzip and KVgrad, the
+    attention sinks, the span being reconstructed and the reconstruction itself. weights (Hq, W, C) -> same."""
     h_kv = inside.shape[0]
-    w = weights.float().view(h_kv, -1, weights.shape[-1])  # (H_kv, groups·W, C)
-    w = w * inside[:, None, :]
-    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return w.amax(dim=1) * judged
+    w = weights.float().view(h_kv, -1, *weights.shape[1:]) * inside[:, None, None, :]  # (H_kv, groups, W, C)
+    return (w / w.sum(dim=-1, keepdim=True).clamp_min(1e-30)).view(weights.shape)
+
+
+def restricted_max_attention(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+    """KVzip's score: the largest restricted attention (above) any probe row and query head of a group pays each
+    `judged` (H_kv, C) entry (0 elsewhere). weights (Hq, W, C) -> (H_kv, C)."""
+    w = restricted_attention(weights, inside)
+    return w.view(inside.shape[0], -1, w.shape[-1]).amax(dim=1) * judged
+
+
+def input_times_gradient(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor,
+                         gradient_norms: torch.Tensor, value_norms: torch.Tensor) -> torch.Tensor:
+    """KVgrad's score: max over probe rows p and the query heads h of a group of A_hpc · ‖W_O^h v_c‖ · ‖∂Φ/∂a_p‖,
+    A the restricted attention (above) — what entry c writes into the residual stream at p, times how much the
+    objective depends on that stream. weights (Hq, W, C); gradient_norms (W,); value_norms (Hq, C) -> (H_kv, C)."""
+    w = restricted_attention(weights, inside)
+    per_head = (w * gradient_norms.float()[None, :, None]).amax(dim=1) * value_norms.float()  # (Hq, C)
+    return per_head.view(inside.shape[0], -1, per_head.shape[-1]).amax(dim=1) * judged

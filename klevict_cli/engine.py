@@ -19,7 +19,7 @@ from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache
 from klevict_cli.errors import ResourceError
-from klevict_cli.fisher import FrozenCache, head_output_gradients
+from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
 from klevict_cli.probes import Drafts, ProbeSet, Reconstruction
 from klevict_cli.sampling import penalise_repeats, sample
@@ -250,6 +250,10 @@ class Engine:
             backward=lambda samples, live: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
                 torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
+            ),
+            output_gradient_norms=lambda: attention_output_gradient_norms(
+                self.model, self.adapter.attentions, self.adapter.final_norm, stream.cache, stream.tokens[-w:],
+                torch.arange(stream.next_rope - w, stream.next_rope, device=self.device),
             ),
         )
 

@@ -76,3 +76,33 @@ def head_output_gradients(
                                     grad_outputs=torch.eye(samples, device=device), is_grads_batched=True)
     # each (S, 1, Hq, W, Dv) -> (W, S, Hq, Dv)
     return {idx: g[:, 0].permute(2, 0, 1, 3).detach() for idx, g in zip(layer_ids, grads)}
+
+
+def attention_output_gradient_norms(model, attentions, final_norm, cache: KVCache, probe_ids: list[int],
+                                    probe_rope: torch.Tensor) -> dict[int, torch.Tensor]:
+    """KVgrad's sensitivity: per layer, (W,) ‖∂Φ/∂a_t‖ where a_t is the attention block's output (after the output
+    projection) at probe t and Φ = Σ_t ‖h_t‖², h the final residual stream (the final norm's input). The probes are
+    re-run live (their own keys and values recomputed, as the cache's last columns); the rest of the cache is held
+    constant."""
+    outputs: dict[int, torch.Tensor] = {}
+    final: dict[str, torch.Tensor] = {}
+    hooks = [attn.register_forward_hook(lambda m, args, out, i=i: outputs.__setitem__(i, out[0]))
+             for i, attn in enumerate(attentions)]
+    hooks.append(final_norm.register_forward_pre_hook(lambda m, args: final.__setitem__("h", args[0])))
+    device = probe_rope.device
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            ids = torch.tensor([probe_ids], device=device)
+            embeds = model.get_input_embeddings()(ids).detach().clone().requires_grad_(True)
+            ctx = ForwardContext(FrozenCache(cache, len(probe_ids)), probe_rope.clone())
+            with forward_context(ctx):
+                run_with_cache(model, ctx.cache, inputs_embeds=embeds, position_ids=probe_rope.clone()[None],
+                               logits_to_keep=1)
+            objective = final["h"].float().square().sum()
+            layer_ids = sorted(outputs)
+            grads = torch.autograd.grad(objective, [outputs[i] for i in layer_ids], allow_unused=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {i: (g[0].float().norm(dim=-1) if g is not None else torch.zeros(len(probe_ids), device=device)).detach()
+            for i, g in zip(layer_ids, grads)}

@@ -1,4 +1,5 @@
-"""Lazy eviction, reconstruction probes and the strongest peers (kvzip, expected_attention, observed_attention):
+"""Lazy eviction, reconstruction probes and the strongest peers (kvzip, kvgrad, expected_attention,
+observed_attention):
 each rule against a direct computation, and each in the engine."""
 
 from __future__ import annotations
@@ -6,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_rules import attention_column_sums, restricted_max_attention
+from kernels.attention_rules import attention_column_sums, input_times_gradient, restricted_max_attention
 from kernels.expected_attention import QueryMoments, expected_attention
 from klevict_cli.adapters import adapter_for
 from klevict_cli.engine import Engine
+from klevict_cli.fisher import attention_output_gradient_norms
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
 from klevict_cli.probes import Reconstruction
@@ -217,3 +219,55 @@ def test_each_peer_keeps_exactly_its_budget(model, method):
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert stream.cache.kept_counts() == [[24] * layer.keys.shape[0] for layer in stream.cache.layers]
+
+
+# ---- kvgrad ----------------------------------------------------------------------------------------------------
+def test_input_times_gradient_matches_a_loop():
+    torch.manual_seed(3)
+    weights = torch.rand(4, 3, 8).softmax(dim=-1)
+    inside = torch.rand(2, 8) > 0.2
+    judged = inside & (torch.arange(8) >= 2)
+    grads, values = torch.rand(3), torch.rand(4, 8)
+    got = input_times_gradient(weights, inside, judged, grads, values)
+    for kv in range(2):
+        for j in range(8):
+            best = 0.0
+            for h in (2 * kv, 2 * kv + 1):
+                for t in range(3):
+                    row = weights[h, t] * inside[kv]
+                    best = max(best, float(row[j] / row.sum() * values[h, j] * grads[t]))
+            assert got[kv, j].item() == pytest.approx(best if judged[kv, j] else 0.0, rel=1e-5)
+
+
+def test_output_gradient_norms_are_those_of_a_plain_forward(model):
+    """‖∂Φ/∂a‖ at the probes, re-run against klevict's cache, equals autograd through the model's own forward."""
+    ids = torch.randint(0, 300, (30,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    got = attention_output_gradient_norms(model, engine.adapter.attentions, engine.adapter.final_norm, stream.cache,
+                                          ids[-6:], torch.arange(24, 30))
+    outputs, final = {}, {}
+    hooks = [attn.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out[0]))
+             for i, attn in enumerate(engine.adapter.attentions)]
+    hooks.append(engine.adapter.final_norm.register_forward_pre_hook(lambda m, a: final.__setitem__("h", a[0])))
+    with torch.enable_grad():
+        model(torch.tensor([ids]), attn_implementation="eager")
+        objective = final["h"][0, -6:].square().sum()
+        grads = torch.autograd.grad(objective, [outputs[i] for i in sorted(outputs)])
+    for hook in hooks:
+        hook.remove()
+    for i, g in enumerate(grads):
+        assert torch.allclose(got[i], g[0, -6:].norm(dim=-1), rtol=1e-3, atol=1e-5)
+
+
+def test_kvgrad_keeps_the_sinks_and_its_budget(model):
+    ids = torch.randint(0, 300, (80,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy("kvgrad"), budget=24, chunk_size=32, probe_window=8,
+                    reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert stream.tokens == ids and engine.held_per_head(stream) == 24
+    for layer in stream.cache.layers:
+        assert {0, 1, 2, 3} <= set(layer.positions[0][layer.valid[0]].tolist())
+        assert (layer.extras["kvgrad"][layer.valid] > 0).any()

@@ -8,7 +8,7 @@ from klevict_cli.policies.simple import FullCache, Streaming
 from klevict_cli.policies.snapkv import SnapKV
 from klevict_cli.policies.attention_based import H2O, TOVA, ObservedAttention, PyramidKV
 from klevict_cli.policies.expected_attention import ExpectedAttention
-from klevict_cli.policies.kvzip import KVzip
+from klevict_cli.policies.kvzip import KVgrad, KVzip
 from klevict_cli.policies.key_based import KeyDiff, KNorm
 from klevict_cli.policies.output_based import CAOTE, ValueNorm
 from klevict_cli.policies.random_choice import RandomChoice
@@ -16,7 +16,7 @@ from klevict_cli.policies.kl import KL, KLFisher, KLLayer
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (KL, KLFisher, KLLayer, FullCache, Streaming, SnapKV)}
 # Baselines for `klevict bench` (and usable as --method anywhere).
-POLICIES.update({cls.name: cls for cls in (KVzip, ExpectedAttention, ObservedAttention, PyramidKV, H2O, TOVA, ValueNorm,
+POLICIES.update({cls.name: cls for cls in (KVzip, KVgrad, ExpectedAttention, ObservedAttention, PyramidKV, H2O, TOVA, ValueNorm,
                                            CAOTE, KeyDiff, KNorm, RandomChoice)})
 
 

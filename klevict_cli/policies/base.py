@@ -32,6 +32,8 @@ class EvictionStep:
     read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
     # (S samples, live probes) -> per layer (W, S, Hq, Dv) gradients (klevict_cli/fisher.py)
     backward: Callable[[int, bool], dict[int, torch.Tensor]] | None = None
+    # () -> per layer (W,) ‖∂Φ/∂a‖, KVgrad's sensitivity of the probes' final residuals (klevict_cli/fisher.py)
+    output_gradient_norms: Callable[[], dict[int, torch.Tensor]] | None = None
 
 
 class Policy:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_rules import restricted_max_attention
+from kernels.attention_rules import input_times_gradient, restricted_max_attention
+from kernels.output_rules import projected_value_norm
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 
 SINKS = 4
@@ -29,9 +30,35 @@ class KVzip(Policy):
             layer = step.cache.layers[i]
             judged = judged_mask(layer, step.judged)
             inside = layer.valid & ((layer.positions < SINKS) | judged | (layer.positions >= step.read_end))
-            scores = restricted_max_attention(step.probes[i].weights, inside, judged)
+            scores = self.span_scores(step, i, inside, judged)
             layer.extras[self.EXTRA] = torch.maximum(layer.extra(self.EXTRA), scores)
+
+    def span_scores(self, step: EvictionStep, layer_idx: int, inside: torch.Tensor, judged: torch.Tensor
+                    ) -> torch.Tensor:
+        return restricted_max_attention(step.probes[layer_idx].weights, inside, judged)
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         layer = step.cache.layers[layer_idx]
         return layer.extra(self.EXTRA).masked_fill(layer.valid & (layer.positions < SINKS), float("inf"))
+
+
+class KVgrad(KVzip):
+    """`kvgrad` (KVgrad, OpenReview cg1wTCJjjk; kvpress's KVgradPress): KVzip's reconstruction, but each entry is
+    worth the largest input × gradient attribution over the reconstruction's tokens: reconstruction attention ×
+    ‖W_O v‖ (what the entry writes into the residual stream) × ‖∂Φ/∂a‖, the gradient of Φ = Σ‖h‖² (the final
+    residual stream of the re-read span) with respect to that layer's attention output. One backward pass per span.
+    Φ runs over the re-read span only; the instruction before it is held constant."""
+
+    name = "kvgrad"
+    EXTRA = "kvgrad"
+
+    def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
+        self._gradient_norms = step.output_gradient_norms()
+        super().absorb_reconstruction(step, layer_ids)
+
+    def span_scores(self, step: EvictionStep, layer_idx: int, inside: torch.Tensor, judged: torch.Tensor
+                    ) -> torch.Tensor:
+        probe, layer = step.probes[layer_idx], step.cache.layers[layer_idx]
+        weight = step.adapter.output_projection(layer_idx).weight
+        values = projected_value_norm(layer.values, weight, probe.weights.shape[0])
+        return input_times_gradient(probe.weights, inside, judged, self._gradient_norms[layer_idx], values)
