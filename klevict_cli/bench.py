@@ -8,7 +8,13 @@ read relative to the full-cache read of the same window (same chunking), and the
 
 Needle: `needles` facts ("The secret code of the red fox is 4821.") inserted at random sentence boundaries of a
 haystack of about `context` tokens, read inside the chat frame with eviction; each fact is then asked (the question
-unseen while compressing) and answered greedily; exact match = the number appears in the answer.
+unseen while compressing) and answered greedily in up to `answer_tokens` tokens (the default model restates the
+question first); exact match = the number appears in the answer.
+
+Recall: facts the text itself states once. In a window of about `context` tokens of the real document, `needles`
+sentences are picked that contain a name or a number appearing nowhere else in the window; after compression the
+model is asked to continue the sentence from its first words, and succeeds if the name or number appears in its
+answer. It asks what questions about a document ask — to find a detail read once — without planted text.
 
 Budgets resolve against `context` tokens for both tasks. Everything is seeded: the same seed gives the same numbers,
 timings aside. `run_bench` returns one JSON-ready dict; `render` prints it as rich tables.
@@ -35,7 +41,7 @@ from klevict_cli.options import Budget, parse_budget
 from klevict_cli.policies import make_policy
 from klevict_cli.prompts import bos_ids
 
-TASKS = ("fidelity", "needle", "both")
+TASKS = ("fidelity", "needle", "recall", "both", "all")  # both: fidelity + needle; all: the three
 Z95 = 1.96  # normal approximation for the 95 % interval of a mean over windows
 ADJECTIVES = ("red", "blue", "green", "golden", "silver", "purple", "orange", "spotted", "striped", "sleepy",
               "angry", "clever", "tiny", "giant", "quiet", "brave")
@@ -74,6 +80,24 @@ class Fact:
     def __post_init__(self) -> None:
         self.sentence = f"The secret code of the {self.adjective} {self.animal} is {self.number}."
         self.question = f"What is the secret code of the {self.adjective} {self.animal}? Answer with the number only."
+
+    @property
+    def expected(self) -> str:
+        return self.number
+
+
+@dataclass
+class Recall:
+    """A detail the text states once: `expected` (a name or number) in `sentence`, asked by its first words."""
+
+    sentence: str
+    expected: str
+    depth: float
+    question: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        start = " ".join(self.sentence[: self.sentence.index(self.expected)].split()[-20:])  # its last 20 words
+        self.question = f'Continue this sentence from the text above: "{start}'
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
@@ -159,6 +183,28 @@ def insert_facts(text: str, facts: list[Fact], rng: random.Random) -> str:
     for fact in facts:
         fact.depth = text.index(fact.sentence) / max(1, len(text))
     return text
+
+
+_WORD = re.compile(r"[A-Za-z][a-z]{2,}|\d[\d,]*\d|\d")
+
+
+def pick_recalls(text: str, rng: random.Random, count: int) -> list[Recall]:
+    """`count` sentences of `text` (seeded), each with a detail — a capitalised word that does not start the sentence,
+    or a number — that occurs only once in `text`, with at least 4 words before it in its sentence."""
+    counts: dict[str, int] = {}
+    for m in _WORD.finditer(text):
+        counts[m.group()] = counts.get(m.group(), 0) + 1
+    candidates = []
+    for m in re.finditer(r"[^.!?]+[.!?]", text):
+        sentence = " ".join(m.group().split())
+        words = sentence.split()
+        for i, raw in enumerate(words[4:], start=4):
+            word = raw.strip(".,;:!?\"'()[]_-")
+            if (word[:1].isupper() or word[:1].isdigit()) and _WORD.fullmatch(word) and counts.get(word) == 1:
+                candidates.append((m.start(), sentence, word))
+                break
+    chosen = rng.sample(candidates, min(count, len(candidates)))
+    return [Recall(sentence, word, start / max(1, len(text))) for start, sentence, word in sorted(chosen)]
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------
@@ -290,6 +336,14 @@ def build_haystack(session, doc_ids: list[int], settings: BenchSettings, rng: ra
     return {"offset": offset, "ids": ids, "facts": facts}
 
 
+def build_recall(session, doc_ids: list[int], settings: BenchSettings, rng: random.Random) -> dict:
+    tok = session.lm.tokenizer
+    prefix = session.frame.prefix_ids(tok)
+    offset = draw_offsets(len(doc_ids), settings.context - len(prefix), 1, rng)[0]
+    ids = prefix + doc_ids[offset : offset + settings.context - len(prefix)]
+    return {"offset": offset, "ids": ids, "facts": pick_recalls(tok.decode(ids[len(prefix):]), rng, settings.needles)}
+
+
 def answer(session, engine, stream, question: str, max_new: int) -> str:
     """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`."""
     work = stream.clone()
@@ -298,10 +352,13 @@ def answer(session, engine, stream, question: str, max_new: int) -> str:
     return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
-def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick) -> dict:
-    rng = random.Random(f"needle:{settings.seed}")
+def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
+               task: str = "needle") -> dict:
+    """Retrieval after compression: planted facts (`needle`) or details the text states once (`recall`)."""
+    rng = random.Random(f"{task}:{settings.seed}")
     labels = list(dict.fromkeys(label for _, label in engines))
-    haystacks = [build_haystack(session, doc_ids, settings, rng) for _ in range(settings.windows)]
+    build = build_haystack if task == "needle" else build_recall
+    haystacks = [build(session, doc_ids, settings, rng) for _ in range(settings.windows)]
     longest = max(len(h["ids"]) for h in haystacks) + settings.answer_tokens + max(
         len(session.frame.suffix_ids(session.lm.tokenizer, f.question)) for h in haystacks for f in h["facts"])
     if longest > session.adapter.max_positions:
@@ -312,7 +369,7 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
         stream = engine.new_stream()
         engine.feed(stream, hay["ids"])
         texts = [answer(session, reference, stream, f.question, settings.answer_tokens) for f in hay["facts"]]
-        return texts, [f.number in t for f, t in zip(hay["facts"], texts)]
+        return texts, [f.expected in t for f, t in zip(hay["facts"], texts)]
 
     full = {"accuracy": [], "answers": [], "correct": []}
     results = {m: {label: {"accuracy": [], "answers": [], "correct": []} for label in labels}
@@ -322,19 +379,19 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
         texts, ok = score(reference, hay)
         full["answers"].append(texts)
         full["correct"].append(ok)
-        full["accuracy"].append(sum(ok) / len(ok))
-        tick(f"needle {w + 1}/{len(haystacks)}: full cache")
+        full["accuracy"].append(sum(ok) / max(1, len(ok)))
+        tick(f"{task} {w + 1}/{len(haystacks)}: full cache")
         for (method, label), engine in engines.items():
             engine.generator.manual_seed(settings.seed)
             texts, ok = score(engine, hay)
             row = results[method][label]
             row["answers"].append(texts)
             row["correct"].append(ok)
-            row["accuracy"].append(sum(ok) / len(ok))
-            tick(f"needle {w + 1}/{len(haystacks)}: {method} @ {label}")
+            row["accuracy"].append(sum(ok) / max(1, len(ok)))
+            tick(f"{task} {w + 1}/{len(haystacks)}: {method} @ {label}")
     return {
         "haystacks": [{"offset": h["offset"], "tokens": len(h["ids"]),
-                       "facts": [{"sentence": f.sentence, "question": f.question, "number": f.number,
+                       "facts": [{"sentence": f.sentence, "question": f.question, "expected": f.expected,
                                   "depth": round(f.depth, 4)} for f in h["facts"]]} for h in haystacks],
         "full": {"accuracy": summary(full["accuracy"]), "per_window": full},
         "results": {m: {label: {"accuracy": summary(row["accuracy"]), "per_window": row}
@@ -352,7 +409,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
         raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
                          f"{session.adapter.max_positions} positions")
     doc_ids = session.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
-    tasks = ["fidelity", "needle"] if settings.task == "both" else [settings.task]
+    tasks = {"both": ["fidelity", "needle"], "all": ["fidelity", "needle", "recall"]}.get(settings.task, [settings.task])
     per_task = settings.windows * (1 + len(settings.methods) * len(budgets))
     tick = _Counter(per_task * len(tasks), progress)
     out = {
@@ -374,8 +431,9 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     reference, engines = _engines(session, settings, budgets)  # one engine per method × budget, reused
     if "fidelity" in tasks:
         out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick)
-    if "needle" in tasks:
-        out["needle"] = run_needle(session, doc_ids, settings, reference, engines, tick)
+    for task in ("needle", "recall"):
+        if task in tasks:
+            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task)
     return out
 
 
@@ -437,12 +495,14 @@ def render(result: dict, console: Console) -> None:
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
                       f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
-    needle = result.get("needle")
-    if needle is not None:
-        n = sum(len(h["facts"]) for h in needle["haystacks"])
-        _method_table(console, needle, labels, lambda row: f"{100 * row['accuracy']['mean']:.1f}%",
-                      f"needle retrieval: exact-match accuracy ({n} facts)",
-                      f"full cache: {100 * needle['full']['accuracy']['mean']:.1f}%; best per column in bold",
+    for task, what in (("needle", "needle retrieval (planted facts)"), ("recall", "recall (details stated once)")):
+        block = result.get(task)
+        if block is None:
+            continue
+        n = sum(len(h["facts"]) for h in block["haystacks"])
+        _method_table(console, block, labels, lambda row: f"{100 * row['accuracy']['mean']:.1f}%",
+                      f"{what}: exact-match accuracy ({n} questions)",
+                      f"full cache: {100 * block['full']['accuracy']['mean']:.1f}%; best per column in bold",
                       metric="accuracy")
 
 

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from klevict_cli import __version__
 from klevict_cli.errors import KlevictError, UsageError
 from klevict_cli.options import (
-    check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size,
+    check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size, parse_working_limit,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
@@ -61,6 +61,8 @@ DEFAULTS: dict[str, Any] = {
     "json": False,
     "quiet": False,
     "max_memory": None,
+    "working_limit": None,
+    "reconstruct": None,  # None: on for compress (a saved cache serves questions), off for summarize
 }
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -88,6 +90,12 @@ QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progres
 MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
                                                 "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
+WorkingOpt = Annotated[str | None, typer.Option("--working-limit", help="Entries per KV head held while reading "
+                                                 "before evicting: a multiple of the budget (4x, the default) or a "
+                                                 "count (8k).")]
+ReconstructOpt = Annotated[bool | None, typer.Option("--reconstruct/--no-reconstruct", help="kl: also judge entries "
+                                                     "by the model re-reading the document (default: on for "
+                                                     "compress, off for summarize).")]
 
 
 def handle_errors(fn):
@@ -190,12 +198,15 @@ def session_for(opts: dict):
     return _session(opts["model"], opts["device"], opts["dtype"], quiet)
 
 
-def read_document(opts: dict, source: str, reserve: int | None = None):
+def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
     from klevict_cli.documents import load_document
     from klevict_cli.session import ReadSettings
 
     budget = parse_budget(str(opts["budget"]))
+    reconstruct = opts.get("reconstruct")
     settings = ReadSettings(
+        working=parse_working_limit(opts.get("working_limit")),
+        reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
         budget=budget, method=opts["method"], chunk_size=opts["chunk_size"], probe_window=opts["probe_window"],
         position_mode=opts["position_mode"], seed=opts["seed"], max_new_tokens=opts["max_new_tokens"],
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
@@ -245,7 +256,8 @@ def summarize(
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
-    position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
+    position_mode: ModeOpt = None, probe_window: ProbeOpt = None, working_limit: WorkingOpt = None,
+    reconstruct: ReconstructOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
@@ -255,9 +267,9 @@ def summarize(
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, repetition_penalty=repetition_penalty, position_mode=position_mode,
-                           probe_window=probe_window, json=json_out,
-                           quiet=quiet, prompt=prompt, max_memory=max_memory)
-    session, result = read_document(opts, file)
+                           probe_window=probe_window, json=json_out, working_limit=working_limit,
+                           reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory)
+    session, result = read_document(opts, file, reconstruct_default=False)
     gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
     answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
                             seed=opts["seed"], method=result.settings.method, budget=result.plan.budget)
@@ -275,7 +287,7 @@ def compress(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the .kvc file.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
-    probe_window: ProbeOpt = None,
+    probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16 "
                                                     "or bfloat16 (default: the model's dtype).")] = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
@@ -286,7 +298,7 @@ def compress(
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
-                           max_memory=max_memory)
+                           max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct)
     if not opts.get("output"):
         raise UsageError("missing --output/-o: where to write the .kvc file")
     output = Path(opts["output"])
@@ -294,7 +306,7 @@ def compress(
         raise UsageError(f"-o {output} is the input document; choose another output path")
     if output.exists() and output.is_dir():
         raise UsageError(f"-o {output} is a directory")
-    session, result = read_document(opts, file)
+    session, result = read_document(opts, file, reconstruct_default=True)
     dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
     size = session.save(output, result, cache_dtype=dtype_)
     summary = {"output": str(output), "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}

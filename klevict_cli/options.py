@@ -44,6 +44,8 @@ OPTION_TYPES: dict[str, type] = {
     "quiet": bool,
     "output": str,
     "max_memory": str,
+    "working_limit": str,
+    "reconstruct": bool,
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
@@ -232,3 +234,26 @@ def parse_size(name: str, text: str) -> int:
     if not match or float(match["number"]) <= 0:
         raise UsageError(f"invalid --{_flag(name)} '{text}'; use a size like 512M, 4G or 1.5GiB")
     return int(float(match["number"]) * _SIZE_UNITS[match["unit"].lower()])
+
+
+def parse_working_limit(text: str | None) -> Budget | float | None:
+    """`--working-limit`: a multiple of the budget (`4x`, returned as a float) or an entry count (`8k`, `8192`,
+    returned as a Budget); None for the default."""
+    if text is None:
+        return None
+    value = str(text).strip().lower()
+    if value.endswith("x"):
+        try:
+            factor = float(value[:-1])
+        except ValueError:
+            factor = float("nan")
+        if not (math.isfinite(factor) and factor >= 1):
+            raise UsageError(f"invalid --working-limit '{text}'; a multiple of the budget is at least 1x (e.g. 4x)")
+        return factor
+    try:
+        budget = parse_budget(value)
+    except UsageError:
+        budget = None
+    if budget is None or budget.tokens is None:
+        raise UsageError(f"invalid --working-limit '{text}'; give a multiple of the budget (4x) or a count (8k)")
+    return budget

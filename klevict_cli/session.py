@@ -41,7 +41,7 @@ class ReadSettings:
     seed: int = 0
     max_new_tokens: int = 256  # planned answer length (room reserved in the positions)
     max_memory: int | None = None  # bytes; refuse up front what would not fit
-    working: float | None = None  # working limit as a multiple of the budget (None: engine.WORKING_FACTOR)
+    working: float | Budget | None = None  # working limit: × the budget, or a count (None: engine.WORKING_FACTOR)
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
 
 
@@ -65,6 +65,13 @@ class ReadResult:
     notes: list[str] = field(default_factory=list)
 
 
+def working_entries(working: float | Budget | None, budget: int | None) -> int | None:
+    """The working limit in entries per head: a multiple of the budget, or a count (None: the engine's default)."""
+    if working is None or budget is None:
+        return None
+    return working.tokens if isinstance(working, Budget) else int(working * budget)
+
+
 class Session:
     """A loaded model plus what every operation on it needs (adapter, prompt frame, stop tokens)."""
 
@@ -82,8 +89,7 @@ class Session:
         return Engine(
             self.lm.model, self.adapter, policy, budget,
             chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
-            head_cap=head_cap, working=None if settings.working is None or budget is None else int(
-                settings.working * budget),
+            head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing) if wanted else None,
         )
 
@@ -218,6 +224,8 @@ class Session:
             "method_state": json.dumps(stream.policy_state, sort_keys=True),
             "chunk_size": str(settings.chunk_size),
             "probe_window": str(settings.probe_window),
+            "working_limit": str(settings.working) if settings.working is not None else "default",
+            "reconstruct": str(settings.reconstruct).lower(),
             "prefix_tokens": str(result.prefix_tokens),
             "document_tokens": str(result.document_tokens),
             "source_name": result.document.name,

@@ -705,3 +705,19 @@ def test_max_memory_refuses_up_front_with_the_estimate(doc, model):
 
 def test_chunk_size_beyond_the_context_is_refused(doc, model):
     assert_error(invoke("summarize", doc, "--model", model, "--chunk-size", "100000"), 2, "--chunk-size")
+
+
+def test_compress_judges_by_reconstruction_unless_told_not_to(doc, model, compressed, tmp_path):
+    """A saved cache serves questions, so compress re-reads the document by default (summarize does not)."""
+    path, _ = compressed
+    assert json_out(invoke("inspect", path, "--json"))["metadata"]["reconstruct"] == "true"
+    plain = tmp_path / "plain.kvc"
+    assert_ok(invoke("compress", doc, "-o", plain, "--model", model, "--budget", "64", *FAST, "--no-reconstruct",
+                     "--working-limit", "2x"))
+    meta = json_out(invoke("inspect", plain, "--json"))["metadata"]
+    assert meta["reconstruct"] == "false" and meta["working_limit"] == "2.0"
+
+
+@pytest.mark.parametrize("bad", ["0.5x", "nanx", "abc", "10%", "-3"])
+def test_a_bad_working_limit_is_a_usage_error(doc, model, bad):
+    assert_error(invoke("summarize", doc, "--model", model, "--working-limit", bad, *FAST), 2, "--working-limit")

@@ -1,6 +1,5 @@
 """Lazy eviction, reconstruction probes and the strongest peers (kvzip, kvgrad, expected_attention,
-observed_attention):
-each rule against a direct computation, and each in the engine."""
+observed_attention): each rule against a direct computation, and each in the engine."""
 
 from __future__ import annotations
 
