@@ -2,7 +2,9 @@
 
     python examples/kl_variants.py ../shared/data/moby-dick.txt samples=4 rounds=1 --budgets 20%,10% --seed 2
 
-Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds.
+Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds,
+`working=F` for the working limit (× the budget) and `reconstruct=1` for reconstruction probes; variants that differ
+in the last two are read in separate bench runs (the same windows).
 The read's last eviction is probed by 64 sampled tokens, and one draft decides a window's result: two runs of the
 same default with different random streams differ by up to 10 % in mean KL. A variant that changes anything before
 the draft (e.g. the calibration's samples) also shifts the random stream the draft is sampled from, so a plain
@@ -19,7 +21,7 @@ import math
 import random
 from pathlib import Path
 
-from klevict_cli import engine as engine_module
+from klevict_cli import probes as probes_module
 from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import BenchSettings, run_bench
 from klevict_cli.documents import load_document
@@ -29,8 +31,12 @@ from klevict_cli.policies.kl import KL
 from klevict_cli.session import Session
 
 
-def parse_variant(spec: str) -> tuple[dict, int]:
-    kwargs, rounds = {}, engine_module.DRAFT_ROUNDS
+DEFAULT_ROUNDS = probes_module.Drafts().rounds
+
+
+def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
+    """KL kwargs, draft rounds, working limit (× budget) and reconstruction of one variant spec."""
+    kwargs, rounds, working, reconstruct = {}, DEFAULT_ROUNDS, None, False
     for item in filter(None, spec.split(",")):
         key, _, text = item.partition("=")
         value = {"true": True, "false": False}.get(text, text)
@@ -41,9 +47,13 @@ def parse_variant(spec: str) -> tuple[dict, int]:
                 pass
         if key == "rounds":
             rounds = int(value)
+        elif key == "working":
+            working = float(value)
+        elif key == "reconstruct":
+            reconstruct = bool(value)
         else:
             kwargs[key] = value
-    return kwargs, rounds
+    return kwargs, rounds, working, reconstruct
 
 
 def register(label: str, kwargs: dict, rounds: int) -> None:
@@ -53,18 +63,14 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
 
 
 def reseeded_draft(draft_seed: int):
-    original = engine_module.Engine.draft
+    original = probes_module.Drafts.probe_sets
 
-    def draft(self, stream, last_logits, count):
-        self.generator.manual_seed(7919 * draft_seed + len(stream.tokens))
-        saved = engine_module.DRAFT_ROUNDS
-        engine_module.DRAFT_ROUNDS = getattr(self.policy, "draft_rounds", saved)
-        try:
-            return original(self, stream, last_logits, count)
-        finally:
-            engine_module.DRAFT_ROUNDS = saved
+    def probe_sets(self, engine, stream, last_logits):
+        engine.generator.manual_seed(7919 * draft_seed + len(stream.tokens))
+        self.rounds = getattr(engine.policy, "draft_rounds", DEFAULT_ROUNDS)
+        return original(self, engine, stream, last_logits)
 
-    return draft
+    return probe_sets
 
 
 def paired(values: list[float], base: list[float], rng: random.Random) -> tuple[float, float, float]:
@@ -80,27 +86,34 @@ def main() -> None:
     parser.add_argument("--budgets", default="20%,10%")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=2, help="which windows (the bench seed)")
+    parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--draft-seeds", default="1,2,3")
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     labels = ["default"] + args.variants
-    register("default", {}, engine_module.DRAFT_ROUNDS)
-    for spec in args.variants:
-        register(spec, *parse_variant(spec))
+    groups: dict[tuple, list[str]] = {}
+    for label in labels:
+        kwargs, rounds, working, reconstruct = parse_variant("" if label == "default" else label)
+        register(label, kwargs, rounds)
+        groups.setdefault((working, reconstruct), []).append(label)
     session = Session(load_model(args.model, attn_implementation=ATTENTION_NAME, quiet=True))
     document = load_document(args.file)
-    settings = BenchSettings(methods=labels, budgets=args.budgets.split(","), windows=args.windows, context=2048,
-                             continuation=256, seed=args.seed, task="fidelity")
-    draft = engine_module.Engine.draft
+    original = probes_module.Drafts.probe_sets
     runs = []
     for draft_seed in (int(s) for s in args.draft_seeds.split(",")):
-        engine_module.Engine.draft = reseeded_draft(draft_seed)
+        probes_module.Drafts.probe_sets = reseeded_draft(draft_seed)
+        merged = {}
         try:
-            runs.append(run_bench(session, document, settings)["fidelity"]["results"])
+            for (working, reconstruct), methods in groups.items():
+                settings = BenchSettings(methods=methods, budgets=args.budgets.split(","), windows=args.windows,
+                                         context=args.context, continuation=256, seed=args.seed, task="fidelity",
+                                         working=working, reconstruct=reconstruct)
+                merged.update(run_bench(session, document, settings)["fidelity"]["results"])
         finally:
-            engine_module.Engine.draft = draft
+            probes_module.Drafts.probe_sets = original
+        runs.append(merged)
     rng = random.Random(0)
     print(f"\nKL per window averaged over draft seeds {args.draft_seeds}; windows of seed {args.seed}")
     print("\n| budget | variant | mean KL | per draft seed | vs default (paired, 95 %) | windows better |")

@@ -127,6 +127,8 @@ class Engine:
         self.head_cap = head_cap
         if self.budget is not None:
             working = WORKING_FACTOR * self.budget if working is None else working
+            if head_cap is not None:  # compact positions: what is held while reading must fit them too
+                working = min(working, head_cap)
             self.working = max(working, self.budget + chunk_size)
         self.drafts = Drafts(policy.lookahead) if policy.needs_probes and policy.lookahead else None
         if policy.reconstruction == "required" and reconstruction is None:

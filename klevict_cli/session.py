@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from klevict_cli import __version__
 from klevict_cli.adapters import ModelAdapter, adapter_for
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
-from klevict_cli.engine import Engine, Plan, Stream, plan_positions
+from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
 from klevict_cli.models import LoadedModel
@@ -116,6 +116,9 @@ class Session:
                     f" a {settings.chunk_size}-token chunk), over --max-memory {settings.max_memory / 2**30:.2f} GiB;"
                     " lower --budget or --chunk-size"
                 )
+            if plan.budget is not None and settings.working is None:  # the largest working limit that fits
+                settings = replace(settings, working=Budget(tokens=self.working_within(
+                    settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size)))
         engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap)
         stream = engine.new_stream()
         done = 0
@@ -130,6 +133,14 @@ class Session:
         engine.feed(stream, ids, progress=tick)
         return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
                           list(plan.notes))
+
+    def working_within(self, max_memory: int, budget: int, most: int, chunk: int) -> int:
+        """The largest working limit in [budget, most] entries per head whose reading fits `max_memory` bytes."""
+        low, high = budget, most
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.estimate_peak_bytes(mid, chunk) <= max_memory else (low, mid - 1)
+        return low
 
     def estimate_peak_bytes(self, kept: int, chunk: int) -> int:
         """Upper estimate of resident bytes while reading: weights, the cache at its largest (kept + chunk entries

@@ -270,3 +270,21 @@ def test_kvgrad_keeps_the_sinks_and_its_budget(model):
     for layer in stream.cache.layers:
         assert {0, 1, 2, 3} <= set(layer.positions[0][layer.valid[0]].tolist())
         assert (layer.extras["kvgrad"][layer.valid] > 0).any()
+
+
+def test_max_memory_sets_the_largest_working_limit_that_fits(model):
+    from klevict_cli.models import LoadedModel
+    from klevict_cli.session import Session
+    from tests.conftest import make_tokenizer
+
+    session = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    roomy = session.estimate_peak_bytes(90, 16)
+    got = session.working_within(roomy, 20, 200, 16)
+    assert got >= 90 and session.estimate_peak_bytes(got, 16) <= roomy < session.estimate_peak_bytes(got + 1, 16)
+    assert session.working_within(roomy, 20, 60, 16) == 60  # never above the default
+    assert session.working_within(0, 20, 200, 16) == 20  # never below the budget
+
+
+def test_compact_positions_cap_the_working_limit(model):
+    engine = Engine(model, adapter_for(model), KL(), budget=20, chunk_size=16, mode="compact", head_cap=50)
+    assert engine.working == 50
