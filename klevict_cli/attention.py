@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from klevict_cli.cache import KVCache
+from klevict_cli.cache import KVCache, mask_columns
 from klevict_cli.errors import ModelError
 
 ATTENTION_NAME = "klevict"
@@ -33,6 +33,17 @@ class LayerProbe:
     query: torch.Tensor  # (Hq, W, Dk) post-RoPE
     weights: torch.Tensor  # (Hq, W, C) float32 attention over the layer's cache (padding has weight 0)
     output: torch.Tensor  # (Hq, W, Dv) head outputs before the output projection
+    # When only some entries were asked for (ForwardContext.probe_entries): `weights` is (Hq, W, n) over the columns
+    # (H_kv, n) of the cache, true where `present` (padding has weight 0); still normalised over the whole cache.
+    columns: torch.Tensor | None = None
+    present: torch.Tensor | None = None
+
+    def entries(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns, present) of the entries `weights` covers: given ones, or every column of `layer`."""
+        if self.columns is not None:
+            return self.columns, self.present
+        h, c = layer.valid.shape
+        return torch.arange(c, device=layer.valid.device).expand(h, c), layer.valid
 
 
 @dataclass
@@ -45,6 +56,9 @@ class ForwardContext:
     captured: dict[int, torch.Tensor] | None = None  # head outputs kept in the autograd graph (Fisher re-runs)
     # (layer_idx, layer, query (Hq, T, D), key (H_kv, C, D), query_positions, scaling): policies that see every query
     observer: Callable | None = None
+    # layer -> (H_kv, C) bool: record the probes' attention to these entries only (where the attention kernel gives
+    # each row's log-sum-exp, so the full (W × C) map need not be computed); None: every entry
+    probe_entries: Callable | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
@@ -82,14 +96,15 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     Every kept past entry precedes every query of the chunk, so the past needs only a per-entry mask that broadcasts
     over the chunk's rows, and the chunk itself is plain causal attention. The two partial softmaxes are merged by
     their log-sum-exps. On a CPU this is about 1.5× faster than one masked call, whose cost is dominated by the
-    (heads × T × C) mask. The fused CPU kernel is the one that returns the log-sum-exp.
+    (heads × T × C) mask. The fused CPU kernel is the one that returns the log-sum-exp. Returns the output and each
+    row's log-sum-exp over everything it attends to, (1, Hq, T).
     """
     t = query.shape[2]
     past = k.shape[2] - t
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     chunk_out, chunk_lse = flash(query, k[:, :, past:], v[:, :, past:], is_causal=True, scale=scaling)[:2]
     if past == 0:
-        return chunk_out
+        return chunk_out, chunk_lse
     valid = past_valid.repeat_interleave(groups, dim=0)  # (Hq, P)
     bias = torch.zeros(valid.shape, dtype=query.dtype, device=query.device).masked_fill_(~valid, float("-inf"))
     past_out, past_lse = flash(query, k[:, :, :past], v[:, :, :past], attn_mask=bias[None, :, None], scale=scaling)[:2]
@@ -97,7 +112,7 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     past_lse = past_lse.masked_fill(~valid.any(dim=1)[None, :, None], float("-inf"))
     total = torch.logaddexp(past_lse, chunk_lse)
     past_weight = torch.exp(past_lse - total)[..., None].to(query.dtype)
-    return past_out * past_weight + chunk_out * (1 - past_weight)
+    return past_out * past_weight + chunk_out * (1 - past_weight), total
 
 
 def _attend_grouped(query, key, value, allowed, scaling):
@@ -133,10 +148,12 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     groups = query.shape[1] // key.shape[1]
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
+    lse = None
     if _can_split(layer, query, value):
         k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
         v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-        out = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups, scaling)
+        out, lse = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups,
+                                           scaling)
     else:
         out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions), scaling)
     if ctx.captured is not None:
@@ -144,15 +161,32 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     if ctx.observer is not None:
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling)
     if ctx.probe_rows:
-        w = min(ctx.probe_rows, query.shape[2])
-        q = query[0, :, -w:]
-        # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
-        rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
-        logits = torch.matmul(rows_of_group, key[0].float().transpose(1, 2)).view(q.shape[0], w, -1) * scaling
-        rows = attention_mask(layer, ctx.query_positions[-w:]).repeat_interleave(groups, dim=0)
-        logits = logits.masked_fill(~rows, float("-inf"))
-        ctx.probes[layer_idx] = LayerProbe(query=q, weights=logits.softmax(dim=-1), output=out[0, :, -w:])
+        ctx.probes[layer_idx] = _probe(ctx, layer, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerProbe:
+    """The probe rows' statistics: their attention over the cache (or over `ctx.probe_entries` only, normalised by
+    the kernel's log-sum-exp), queries and head outputs."""
+    w = min(ctx.probe_rows, query.shape[2])
+    q = query[0, :, -w:]
+    groups = query.shape[1] // key.shape[1]
+    keys = key[0].float()
+    columns = present = None
+    if ctx.probe_entries is not None and lse is not None:
+        columns, present = mask_columns(ctx.probe_entries(layer))
+        keys = keys.gather(1, columns[..., None].expand(-1, -1, keys.shape[-1]))
+    # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
+    rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
+    logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(q.shape[0], w, -1) * scaling
+    allowed = attention_mask(layer, ctx.query_positions[-w:])
+    if columns is None:
+        weights = logits.masked_fill(~allowed.repeat_interleave(groups, dim=0), float("-inf")).softmax(dim=-1)
+    else:
+        allowed = allowed.gather(2, columns[:, None, :].expand(-1, w, -1)) & present[:, None, :]
+        weights = (logits - lse[0, :, -w:, None].float()).exp()
+        weights = weights.masked_fill(~allowed.repeat_interleave(groups, dim=0), 0.0)
+    return LayerProbe(query=q, weights=weights, output=out[0, :, -w:], columns=columns, present=present)
 
 
 def _capture_residual(module, args):

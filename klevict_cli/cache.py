@@ -132,6 +132,16 @@ class LayerCache:
         return n * (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
 
 
+def mask_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns where each head's `mask` (H, C) is true, left-aligned and padded to the fullest head:
+    (H, n) column indices (padding repeats column 0) and (H, n) bool, true where real."""
+    counts = mask.sum(dim=1)
+    n = max(int(counts.max()) if counts.numel() else 0, 1)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :n]
+    present = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
+    return order.masked_fill(~present, 0), present
+
+
 class KVCache:
     """A transformers-compatible cache over `LayerCache`s.
 

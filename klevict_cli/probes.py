@@ -12,6 +12,7 @@ The last two append tokens to the stream, let the policy read their statistics, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch
 from klevict_cli.attention import ForwardContext
 from klevict_cli.sampling import sample, sample_rows
 
+SINKS = 4  # the first entries, which every query attends to (attention sinks)
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 
@@ -94,5 +96,13 @@ class Reconstruction:
             ids = prompt + self.suffix + stream.tokens[lo:hi]
             if stream.next_rope + len(ids) > engine.adapter.max_positions:
                 return  # no room left in the model's positions to re-read
-            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo)
+            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo,
+                                         probe_entries=functools.partial(_span_entries, lo, hi, end))
             yield ProbeSet(ctx, logits, len(ids), hi - lo, judged=(lo, hi))
+
+
+def _span_entries(lo: int, hi: int, end: int, layer) -> torch.Tensor:
+    """The entries a reconstruction of [lo, hi) needs recorded: the attention sinks, the span, and the re-reading
+    itself (positions from `end`, where the read stopped)."""
+    p = layer.positions
+    return layer.valid & ((p < SINKS) | ((p >= lo) & (p < hi)) | (p >= end))

@@ -179,8 +179,10 @@ def test_past_then_chunk_attention_equals_one_masked_call():
     causal = torch.ones(t, t, dtype=torch.bool, device="cpu").tril()
     mask = torch.cat((valid.repeat_interleave(2, dim=0)[:, None].expand(-1, t, -1), causal.expand(hq, -1, -1)), -1)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=0.3)
-    actual = _attend_past_then_chunk(q, k, v, valid, groups=2, scaling=0.3)
+    actual, lse = _attend_past_then_chunk(q, k, v, valid, groups=2, scaling=0.3)
     assert torch.allclose(actual, expected, atol=1e-6)
+    logits = (q @ k.transpose(2, 3) * 0.3).masked_fill(~mask[None], float("-inf"))
+    assert torch.allclose(lse, logits.logsumexp(dim=-1), atol=1e-5)  # each row's normaliser, for probe_entries
 
 
 def test_repetition_penalty_lowers_only_the_answers_recent_tokens():

@@ -90,23 +90,30 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
 
 
+@torch.inference_mode()  # as the engine scores
 def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
-    """The judged-columns path gathers a span's columns; its scores must be the full computation's on them."""
+    """A span's scores come from its columns only — recorded alone (normalised by the kernel's log-sum-exp), or
+    gathered from a full attention map — and must be the full computation's on them."""
     ids = torch.randint(0, 300, (60,)).tolist()
     engine = Engine(model, adapter_for(model), KL(lookahead=0, calibrate=False), budget=None, chunk_size=32)
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    probe_set = next(reconstruction(span=16).probe_sets(engine, stream, 20))
     policy = engine.policy
-    full = policy.probe_scores(engine.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows),
-                               [0, 1])
+    probe_set = next(reconstruction(span=16).probe_sets(engine, stream, 20))
+    assert probe_set.ctx.probes[0].columns is not None  # recorded over the sinks, the span and the re-reading
     step = engine.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, judged=probe_set.judged)
-    span = policy.probe_scores(step, [0, 1])
+    recorded = policy.probe_scores(step, [0, 1])
+    appended = stream.tokens[-probe_set.appended :]
+    engine.forget_drafts(stream, probe_set.appended)
+    logits, ctx = engine.forward(stream, appended, probe_rows=probe_set.rows)  # the same probes, full map
+    full = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows), [0, 1])
+    gathered = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows, judged=(20, 36)), [0, 1])
     for i in (0, 1):
         layer = stream.cache.layers[i]
         inside = (layer.positions >= 20) & (layer.positions < 36)
-        assert torch.allclose(span[i][inside], full[i][inside], rtol=1e-4, atol=1e-9)
-        assert not span[i][~inside].any()
+        for span in (recorded[i], gathered[i]):
+            assert torch.allclose(span[inside], full[i][inside], rtol=1e-4, atol=1e-9)
+            assert not span[~inside].any()
 
 
 def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):

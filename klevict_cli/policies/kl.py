@@ -28,6 +28,7 @@ import math
 import torch
 
 from kernels.kl import direct_readout, kl_scores, to_head_space
+from klevict_cli.cache import mask_columns
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 
 
@@ -113,42 +114,36 @@ class KL(Policy):
                                  self.top_k, self.rank, jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
-            probe, layer = step.probes[i], step.cache.layers[i]
-            readout = to_head_space(factors, adapter.output_projection(i).weight, probe.output.shape[0])
-            if step.judged is None:
-                out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
-                continue
-            # Only the judged entries (one span): gather their columns, score them, scatter back (others 0).
-            columns, present = judged_columns(judged_mask(layer, step.judged))
-            per_query = columns.repeat_interleave(probe.weights.shape[0] // columns.shape[0], dim=0)
-            weights = probe.weights.gather(2, per_query[:, None, :].expand(-1, probe.weights.shape[1], -1))
-            values = layer.values
-            index = columns if values.shape[0] == columns.shape[0] else per_query  # MLA: values per query head
-            values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
-            s = kl_scores(weights, probe.output, values, readout, layer.keys.shape[0]) * present
-            out[i] = torch.zeros(layer.valid.shape, dtype=s.dtype, device=s.device).scatter_add_(1, columns, s)
+            readout = to_head_space(factors, adapter.output_projection(i).weight, step.probes[i].output.shape[0])
+            out[i] = self.entry_scores(step, i, readout)
         return out
+
+    def entry_scores(self, step: EvictionStep, i: int, readout: torch.Tensor, fold_probes: bool = False
+                     ) -> torch.Tensor:
+        """kl_scores of layer i's entries for these probes; with `step.judged`, only the judged entries' columns are
+        scored (the rest are 0): the probes' attention was recorded over some entries only, or is gathered."""
+        probe, layer = step.probes[i], step.cache.layers[i]
+        kv_heads = layer.keys.shape[0]
+        if step.judged is None and probe.columns is None:
+            return kl_scores(probe.weights, probe.output, layer.values, readout, kv_heads, fold_probes=fold_probes)
+        columns, present = probe.entries(layer)
+        weights = probe.weights
+        if probe.columns is None:  # a full attention map: gather the judged columns first
+            columns, present = mask_columns(judged_mask(layer, step.judged))
+            per_query = columns.repeat_interleave(weights.shape[0] // kv_heads, dim=0)
+            weights = weights.gather(2, per_query[:, None, :].expand(-1, weights.shape[1], -1))
+        judged = present & judged_mask(layer, step.judged).gather(1, columns)
+        values = layer.values  # (H_kv, C, Dv), or per query head for MLA
+        index = columns.repeat_interleave(values.shape[0] // kv_heads, dim=0)
+        values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+        scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes) * judged
+        return torch.zeros(layer.valid.shape, dtype=scores.dtype, device=scores.device).scatter_add_(1, columns, scores)
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         live = self.probes == "live"
         grads = step.backward(self.samples, live)
-        out = {}
-        for i in layer_ids:
-            probe, layer = step.probes[i], step.cache.layers[i]
-            readout = grads[i].to(probe.output.dtype) / math.sqrt(self.samples)
-            out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0],
-                               fold_probes=live)
-        return out
-
-
-def judged_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The columns where each head's `mask` (H, C) is true, left-aligned and padded to the fullest head:
-    (H, n) column indices (padding repeats column 0) and (H, n) bool, true where real."""
-    counts = mask.sum(dim=1)
-    n = max(int(counts.max()) if counts.numel() else 0, 1)
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :n]
-    present = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
-    return order.masked_fill(~present, 0), present
+        return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / math.sqrt(self.samples),
+                                     fold_probes=live) for i in layer_ids}
 
 
 def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep,

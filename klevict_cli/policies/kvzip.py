@@ -14,9 +14,8 @@ import torch
 
 from kernels.attention_rules import input_times_gradient, restricted_max_attention
 from kernels.output_rules import projected_value_norm
-from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
-
-SINKS = 4
+from klevict_cli.policies.base import EvictionStep, Policy
+from klevict_cli.probes import SINKS
 
 
 class KVzip(Policy):
@@ -27,14 +26,18 @@ class KVzip(Policy):
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         for i in layer_ids:
-            layer = step.cache.layers[i]
-            judged = judged_mask(layer, step.judged)
-            inside = layer.valid & ((layer.positions < SINKS) | judged | (layer.positions >= step.read_end))
-            scores = self.span_scores(step, i, inside, judged)
+            layer, probe = step.cache.layers[i], step.probes[i]
+            columns, present = probe.entries(layer)  # what the probes' attention was recorded over
+            positions = layer.positions.gather(1, columns)
+            judged = present & (positions >= step.judged[0]) & (positions < step.judged[1])
+            inside = present & ((positions < SINKS) | judged | (positions >= step.read_end))
+            scores = self.span_scores(step, i, columns, inside, judged)
+            scores = torch.zeros(layer.valid.shape, device=scores.device).scatter_add_(1, columns, scores)
             layer.extras[self.EXTRA] = torch.maximum(layer.extra(self.EXTRA), scores)
 
-    def span_scores(self, step: EvictionStep, layer_idx: int, inside: torch.Tensor, judged: torch.Tensor
-                    ) -> torch.Tensor:
+    def span_scores(self, step: EvictionStep, layer_idx: int, columns: torch.Tensor, inside: torch.Tensor,
+                    judged: torch.Tensor) -> torch.Tensor:
+        """(H_kv, n) scores of the entries at `columns` (0 outside `judged`)."""
         return restricted_max_attention(step.probes[layer_idx].weights, inside, judged)
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
@@ -56,9 +59,12 @@ class KVgrad(KVzip):
         self._gradient_norms = step.output_gradient_norms()
         super().absorb_reconstruction(step, layer_ids)
 
-    def span_scores(self, step: EvictionStep, layer_idx: int, inside: torch.Tensor, judged: torch.Tensor
-                    ) -> torch.Tensor:
-        probe, layer = step.probes[layer_idx], step.cache.layers[layer_idx]
+    def span_scores(self, step: EvictionStep, layer_idx: int, columns: torch.Tensor, inside: torch.Tensor,
+                    judged: torch.Tensor) -> torch.Tensor:
+        probe, values = step.probes[layer_idx], step.cache.layers[layer_idx].values
+        per_query = columns.repeat_interleave(probe.weights.shape[0] // columns.shape[0], dim=0)
+        index = columns if values.shape[0] == columns.shape[0] else per_query  # MLA: values per query head
+        values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
         weight = step.adapter.output_projection(layer_idx).weight
-        values = projected_value_norm(layer.values, weight, probe.weights.shape[0])
+        values = projected_value_norm(values, weight, probe.weights.shape[0])
         return input_times_gradient(probe.weights, inside, judged, self._gradient_norms[layer_idx], values)
