@@ -20,14 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.errors import KlevictError, UsageError
+from klevict_cli.errors import KlevictError, OutputError, UsageError
+from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
     check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
-4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 130 interrupted (Ctrl-C);
-143 terminated (SIGTERM)."""
+4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
+130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
+STDOUT_NAME = "<stdout>"
 
 app = typer.Typer(
     name="klevict",
@@ -271,7 +273,8 @@ def summarize(
 @handle_errors
 def compress(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the .kvc file.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Where to write the .kvc file; - (or "
+                                               "/dev/stdout) writes it to standard output.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
     probe_window: ProbeOpt = None,
@@ -279,33 +282,58 @@ def compress(
                                                     "or bfloat16 (default: the model's dtype).")] = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
-    """Read and compress a document; write the cache to a .kvc file (atomically)."""
+    """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout."""
     import torch
+
+    from klevict_cli.kvc import encode_kvc, save_kvc
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory)
     if not opts.get("output"):
-        raise UsageError("missing --output/-o: where to write the .kvc file")
+        raise UsageError("missing --output/-o: where to write the .kvc file (- for standard output)")
     output = Path(opts["output"])
-    if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
-        raise UsageError(f"-o {output} is the input document; choose another output path")
-    if output.exists() and output.is_dir():
-        raise UsageError(f"-o {output} is a directory")
+    to_stdout = is_stdout(opts["output"])
+    if to_stdout:
+        check_stdout_for_binary(opts)
+    else:
+        if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
+            raise UsageError(f"-o {output} is the input document; choose another output path")
+        check_destination(output, "-o")
     session, result = read_document(opts, file)
     dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
-    size = session.save(output, result, cache_dtype=dtype_)
-    summary = {"output": str(output), "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    cache = session.cache_file(result, cache_dtype=dtype_)
+    size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
+    where = STDOUT_NAME if to_stdout else str(output)
+    summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    line = (f"wrote {where}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
+            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
+            f"read in {result.seconds:.1f} s")
     if opts["json"]:
         emit_json(summary)
+    elif to_stdout:
+        note(opts, line)
     else:
-        out.print(
-            f"wrote {output}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
-            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
-            f"read in {result.seconds:.1f} s",
-            markup=False,
-        )
+        out.print(line, markup=False)
+
+
+def check_stdout_for_binary(opts: dict) -> None:
+    """`-o -` puts the .kvc bytes on stdout: nothing else may go there, and a terminal is no place for them."""
+    if opts["json"]:
+        raise UsageError("-o - writes the cache to standard output, where --json would go too; drop one of them")
+    if sys.stdout.isatty():
+        raise UsageError("-o - would write binary .kvc data to the terminal; redirect it (> doc.kvc) or give a"
+                         " file name")
+
+
+def write_stdout(blob: bytes) -> int:
+    try:
+        sys.stdout.buffer.write(blob)
+        sys.stdout.buffer.flush()
+    except OSError as exc:  # a closed pipe, a full disk behind a redirect
+        raise OutputError(f"{STDOUT_NAME}: cannot write the cache ({exc.strerror or exc})") from None
+    return len(blob)
 
 
 @app.command()
@@ -404,8 +432,8 @@ def bench(
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], task=task,
     )
-    if json_path is not None and json_path.is_dir():
-        raise UsageError(f"--json {json_path} is a directory")
+    if json_path is not None:
+        check_destination(json_path, "--json")
     document = load_document(file)
     session = session_for(opts)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -418,7 +446,7 @@ def bench(
         try:
             write_atomically(json_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
         except OSError as exc:
-            raise UsageError(f"--json {json_path}: cannot write it ({exc.strerror or exc})") from None
+            raise OutputError(f"--json {json_path}: cannot write it ({exc.strerror or exc})") from None
         note(opts, f"wrote {json_path}")
 
 

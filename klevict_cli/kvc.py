@@ -22,7 +22,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
-from klevict_cli.errors import CacheFileError
+from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.files import write_atomically
 
 FORMAT = "klevict-kvc"
@@ -123,6 +123,14 @@ def padded_from_packed(
 def save_kvc(path: Path, kvc: KvcFile) -> int:
     """Write `kvc` atomically and return its size; refuses to write a file that `load_kvc` would reject."""
     path = Path(path)
+    blob = encode_kvc(kvc, path)
+    _write_atomically(path, blob)
+    return len(blob)
+
+
+def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
+    """The bytes of the `.kvc` file for `kvc` (for a file or a stream), checked as `load_kvc` would check them;
+    `name` is only for messages."""
     tensors = _tensors_of(kvc)
     metadata = dict(kvc.metadata)
     metadata.pop("payload_sha256", None)
@@ -130,15 +138,13 @@ def save_kvc(path: Path, kvc: KvcFile) -> int:
     if kvc.layers:
         metadata.setdefault("cache_dtype", _dtype_name(kvc.layers[0].keys.dtype))
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise _error(path, "cannot save: metadata must map strings to strings")
+        raise _error(name, "cannot save: metadata must map strings to strings")
 
-    layout = {name: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
-    num_layers = _check_layout(path, metadata, layout)
-    _check_contents(path, _layers_of(tensors, num_layers), tensors["tokens"])
+    layout = {key: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for key, t in tensors.items()}
+    num_layers = _check_layout(name, metadata, layout)
+    _check_contents(name, _layers_of(tensors, num_layers), tensors["tokens"])
     metadata["payload_sha256"] = _payload_sha256(metadata, tensors)
-    blob = safetensors.torch.save(tensors, metadata=metadata)
-    _write_atomically(path, blob)
-    return len(blob)
+    return safetensors.torch.save(tensors, metadata=metadata)
 
 
 def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:
@@ -161,7 +167,7 @@ def _write_atomically(path: Path, blob: bytes) -> None:
     try:
         write_atomically(path, blob)
     except OSError as exc:
-        raise _error(path, f"cannot write the cache ({exc.strerror or exc})") from exc
+        raise OutputError(_one_line(f"{path}: cannot write the cache ({exc.strerror or exc})")) from None
 
 
 # --- loading --------------------------------------------------------------------------------------------------
@@ -467,5 +473,8 @@ def _show(value: object, limit: int = 60) -> str:
 
 def _error(path: Path, message: str) -> CacheFileError:
     """Every failure names the file and fits on one line, even if the file name or header holds a newline."""
-    text = f"{path}: {message}"
-    return CacheFileError("".join(c if c.isprintable() else repr(c)[1:-1] for c in text))
+    return CacheFileError(_one_line(f"{path}: {message}"))
+
+
+def _one_line(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

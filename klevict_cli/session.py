@@ -186,6 +186,10 @@ class Session:
         }
 
     def save(self, path: Path, result: ReadResult, cache_dtype: torch.dtype | None = None) -> int:
+        return save_kvc(path, self.cache_file(result, cache_dtype))
+
+    def cache_file(self, result: ReadResult, cache_dtype: torch.dtype | None = None) -> KvcFile:
+        """What `save` writes, for writers other than a file (e.g. standard output)."""
         stream, settings = result.stream, result.settings
         layers = []
         for layer in stream.cache.layers:
@@ -217,7 +221,7 @@ class Session:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         tokens = torch.tensor(stream.tokens, dtype=torch.int32)
-        return save_kvc(path, KvcFile(layers=layers, tokens=tokens, metadata=meta))
+        return KvcFile(layers=layers, tokens=tokens, metadata=meta)
 
     def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""

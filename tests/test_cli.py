@@ -7,11 +7,13 @@ exit code (2 option/budget/config, 3 document, 4 .kvc file, 6 does not fit), nev
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -327,6 +329,54 @@ def test_interrupted_write_keeps_the_old_file_and_no_temp_files(doc, model, tmp_
     _no_crash(result)
     assert result.exit_code == (130 if how == "interrupt" else 143), _show(result)
     assert result.stderr.splitlines() == ["interrupted" if how == "interrupt" else "terminated"]
+    assert out.read_bytes() == b"old cache"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
+
+
+def test_compress_never_replaces_a_fifo_or_device(doc, model, tmp_path):
+    """As root, `-o /dev/null` once turned the device into a regular file; a FIFO stands in for it here."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert_error(invoke("compress", doc, "-o", fifo, "--model", model, "--budget", "64", *FAST), 2,
+                 "not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+@pytest.mark.parametrize("target", ["-", "/dev/stdout"])
+def test_compress_to_stdout_writes_the_cache_bytes(doc, model, compressed, tmp_path, monkeypatch, target):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("compress", doc, "-o", target, "--model", model, "--budget", "64", *FAST)
+    assert_ok(result)
+    piped = tmp_path / "piped.kvc"
+    piped.write_bytes(result.stdout_bytes)
+    assert_ok(invoke("ask", piped, QUESTIONS[0], "--model", model, *GEN))
+    assert json_out(invoke("inspect", piped, "--json"))["metadata"]["source_sha256"] == \
+        json_out(invoke("inspect", compressed[0], "--json"))["metadata"]["source_sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["piped.kvc"]  # no file named "-"
+
+
+def test_compress_to_stdout_refuses_json_too(doc, model):
+    assert_error(invoke("compress", doc, "-o", "-", "--model", model, "--json", *FAST), 2, "--json")
+
+
+def test_compress_into_a_missing_folder_fails_before_reading(doc, model, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    out = tmp_path / "missing" / "doc.kvc"
+    assert_error(invoke("compress", doc, "-o", out, "--model", model, *FAST), 7, "does not exist")
+
+
+def test_a_failed_write_has_its_own_exit_code_and_keeps_the_old_file(doc, model, tmp_path, monkeypatch):
+    out = tmp_path / "doc.kvc"
+    out.write_bytes(b"old cache")
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    result = invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST)
+    monkeypatch.undo()
+    assert_error(result, 7, "No space left")
     assert out.read_bytes() == b"old cache"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
 
@@ -681,7 +731,8 @@ def test_help_lists_the_exit_codes():
     text = " ".join(result.stdout.split())
     assert "Exit codes" in text
     for entry in ("0 ok", "1 unexpected error", "2 bad option", "3 unreadable document", "4 bad .kvc file",
-                  "5 model cannot be loaded", "6 does not fit", "130 interrupted", "143 terminated"):
+                  "5 model cannot be loaded", "6 does not fit", "7 cannot write the output", "130 interrupted",
+                  "143 terminated"):
         assert entry in text, entry
     for command in ("summarize", "compress", "ask", "inspect"):
         assert command in text

@@ -2,6 +2,7 @@
 
 import os
 import random
+import stat
 import struct
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from klevict_cli import kvc
-from klevict_cli.errors import CacheFileError
+from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.kvc import KvcFile, LayerSpec, PackedLayer, load_kvc, read_metadata, save_kvc
 
 TOKENS = 40
@@ -172,9 +173,19 @@ def test_interrupted_write_keeps_old_file_and_no_temp(saved, monkeypatch, target
     assert sorted(p.name for p in path.parent.iterdir()) == ["doc.kvc"]
 
 
-def test_unwritable_destination_is_a_cache_error(tmp_path):
-    with pytest.raises(CacheFileError, match="cannot write"):
+def test_unwritable_destination_is_an_output_error(tmp_path):
+    with pytest.raises(OutputError, match="cannot write") as info:
         save_kvc(tmp_path / "missing-dir" / "x.kvc", make_kvc())
+    assert info.value.exit_code == 7  # the file was never bad: the place to put it is
+
+
+def test_save_never_replaces_a_fifo_or_device(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="not a regular file"):
+        save_kvc(fifo, make_kvc())
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
 
 
 def test_save_refuses_an_inconsistent_cache(tmp_path):
