@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
+from klevict_cli.display import json_text, visible
 from klevict_cli.errors import KlevictError, OutputError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
@@ -120,9 +121,16 @@ def handle_errors(fn):
 
 
 def say(line: str) -> None:
-    """One unwrapped line on stderr (rich would wrap long messages at the terminal width)."""
-    sys.stderr.write(" ".join(line.split()) + "\n")
+    """One unwrapped line on stderr (rich would wrap long messages at the terminal width); file names in it may hold
+    escape sequences, which are shown, not obeyed."""
+    sys.stderr.write(visible(" ".join(line.split())) + "\n")
     sys.stderr.flush()
+
+
+def echo(text: str) -> None:
+    """A result on stdout as plain text: no rich markup or emoji codes, control characters shown, not obeyed."""
+    sys.stdout.write(visible(text, keep="\n\t") + "\n")
+    sys.stdout.flush()
 
 
 class Terminated(BaseException):
@@ -233,7 +241,7 @@ def read_summary(result) -> dict:
 
 
 def emit_json(payload: dict) -> None:
-    sys.stdout.write(json.dumps(payload, ensure_ascii=False) + "\n")
+    sys.stdout.write(json_text(payload) + "\n")
     sys.stdout.flush()
 
 
@@ -266,7 +274,7 @@ def summarize(
         emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
                    "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
     else:
-        out.print(answer["text"], markup=False)
+        echo(answer["text"])
 
 
 @app.command()
@@ -315,7 +323,7 @@ def compress(
     elif to_stdout:
         note(opts, line)
     else:
-        out.print(line, markup=False)
+        echo(line)
 
 
 def check_stdout_for_binary(opts: dict) -> None:
@@ -365,8 +373,8 @@ def ask(
                        "seconds": round(answer["seconds"], 3)})
         else:
             if len(questions) > 1 and i:
-                out.print()
-            out.print(answer["text"], markup=False)
+                echo("")
+            echo(answer["text"])
 
 
 def _questions(question: str) -> list[str]:

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
+from klevict_cli.display import visible
 from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.files import write_atomically
 
@@ -167,7 +168,7 @@ def _write_atomically(path: Path, blob: bytes) -> None:
     try:
         write_atomically(path, blob)
     except OSError as exc:
-        raise OutputError(_one_line(f"{path}: cannot write the cache ({exc.strerror or exc})")) from None
+        raise OutputError(visible(f"{path}: cannot write the cache ({exc.strerror or exc})")) from None
 
 
 # --- loading --------------------------------------------------------------------------------------------------
@@ -473,8 +474,4 @@ def _show(value: object, limit: int = 60) -> str:
 
 def _error(path: Path, message: str) -> CacheFileError:
     """Every failure names the file and fits on one line, even if the file name or header holds a newline."""
-    return CacheFileError(_one_line(f"{path}: {message}"))
-
-
-def _one_line(text: str) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return CacheFileError(visible(f"{path}: {message}"))

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from klevict_cli.display import visible
 from klevict_cli.kvc import KvcFile, load_kvc
 
 
@@ -74,11 +75,11 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         console.file.write(json.dumps(info) + "\n")
         return
     meta = info["metadata"]
-    table = Table(title=f"{path}", show_header=False)
+    table = Table(title=Text(visible(str(path))), show_header=False)
     for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "document_tokens", "next_position",
                 "chunk_size", "cache_dtype", "source_name", "created", "klevict_version", "format_version"):
-        if key in meta:
-            table.add_row(key, meta[key])
+        if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
+            table.add_row(key, Text(visible(meta[key])))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} tokens kept by some head, "
@@ -103,7 +104,7 @@ def render_text(kvc: KvcFile, model: str | None) -> Text:
     share = kept_share(kvc).tolist()
     out = Text()
     for token, s in zip(kvc.tokens.tolist(), share):
-        piece = tokenizer.decode([token])
+        piece = visible(tokenizer.decode([token]), keep="\n\t")
         style = "dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow")
         out.append(piece, style=style)
     return out

@@ -556,6 +556,45 @@ def test_inspect_text_shows_the_document(compressed):
     assert "Ishmael" in result.stdout
 
 
+HOSTILE = "[bold red]red[/] [link=https://evil.example]click[/link] \x1b]0;pwned\x07\x1b[2J\u202eevil\x9b31m"
+
+
+def test_inspect_shows_hostile_metadata_as_text(compressed, kvc_copy):
+    """Metadata is the file's to say, not the terminal's to obey: no markup, no escape sequences."""
+    from tests.test_kvc import raw_parts, write_raw
+
+    tensors, metadata = raw_parts(kvc_copy)
+    write_raw(kvc_copy, tensors, {**metadata, "source_name": HOSTILE, "model_id": HOSTILE})
+    result = invoke("inspect", kvc_copy)
+    assert_ok(result)
+    assert "[bold red]red[/]" in result.stdout and "[link=https://evil.example]" in result.stdout
+    assert "\\x1b]0;pwned\\x07" in result.stdout and "\\u202e" in result.stdout
+    assert not any(c in result.stdout for c in "\x1b\x07\u202e\x9b")
+    data = json_out(invoke("inspect", kvc_copy, "--json"))  # JSON escapes them its own way and keeps them exact
+    assert data["metadata"]["source_name"] == HOSTILE
+
+
+def test_file_names_in_errors_are_shown_not_obeyed(model, tmp_path):
+    name = tmp_path / "doc\x1b]0;pwned\x07\x1b[31m.txt"
+    line = assert_error(invoke("summarize", name, "--model", model, *FAST), 3, "no such file")
+    assert "\x1b" not in line and "\x07" not in line
+    assert "doc\\x1b]0;pwned\\x07\\x1b[31m.txt" in line
+
+
+def test_answers_are_plain_text_with_control_characters_shown(compressed, model, monkeypatch):
+    from klevict_cli.session import Session
+
+    answer = {"text": "a :thumbs_up: [bold]b[/bold]\x1b[2J\tc\nd\x9b", "new_tokens": 1,
+              "first_token_seconds": 0.0, "seconds": 0.0, "truncated_to_fit": False}
+    monkeypatch.setattr(Session, "answer", lambda self, *args, **kwargs: answer)
+    result = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN)
+    assert_ok(result)
+    assert result.stdout == "a :thumbs_up: [bold]b[/bold]\\x1b[2J\tc\nd\\x9b\n"
+    as_json = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN, "--json")
+    assert "\x1b" not in as_json.stdout and "\x9b" not in as_json.stdout
+    assert json_out(as_json)["answer"] == answer["text"]
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "random"])
 def test_inspect_bad_files(kvc_copy, damage):
     if damage == "missing":

@@ -1,0 +1,23 @@
+"""Text from files, paths and the model, made safe to print on a terminal.
+
+A `.kvc` header, a file name, a document or a generated answer may hold escape sequences (ESC[…m recolours,
+ESC]0;… retitles the window, OSC 8 plants links) or rich markup (`[link=…]`). Printed raw they would drive the
+user's terminal, so `visible` shows every control character as a Python-style escape (`\\x1b`), and such text
+reaches rich only as `Text` objects, which are never parsed as markup.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def visible(text: str, keep: str = "") -> str:
+    """`text` with each non-printable character except those in `keep` (e.g. "\\n") shown as an escape."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+def json_text(payload: object) -> str:
+    """One line of JSON with non-ASCII text kept readable but every non-printable character escaped (json.dumps
+    leaves DEL, the C1 controls such as the one-byte CSI, and bidi overrides raw)."""
+    text = json.dumps(payload, ensure_ascii=False)
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
