@@ -25,7 +25,7 @@ from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, pa
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
 from klevict_cli.policies import POLICIES, make_policy
-from klevict_cli.prompts import frame_for, stop_ids
+from klevict_cli.prompts import encode_text, frame_for, stop_ids
 
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
 
@@ -86,7 +86,7 @@ class Session:
     ) -> ReadResult:
         """Tokenise and stream `document` (inside the chat frame) with eviction; the cache ends within budget."""
         prefix = self.frame.prefix_ids(self.lm.tokenizer)
-        doc_ids = self.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+        doc_ids = encode_text(self.lm.tokenizer, document.text)
         ids = prefix + doc_ids
         budget = settings.budget.resolve(len(ids)) if settings.budget is not None else None
         if settings.method == "none":
