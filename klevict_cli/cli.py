@@ -24,7 +24,8 @@ from klevict_cli.display import json_text, visible
 from klevict_cli.errors import KlevictError, OutputError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
-    check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size,
+    MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
+    parse_size,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
@@ -76,9 +77,9 @@ MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
-TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
+TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default), or 0.01 to 100.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
 RepeatOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Discourage repeating the answer's last "
                                                  "64 tokens (1 = off; default 1.1).")]
@@ -155,20 +156,21 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     if opts.get("chunk_size") is not None:
         check_positive_int("chunk_size", opts["chunk_size"])
     check_positive_int("probe_window", opts["probe_window"])
-    if opts.get("max_new_tokens") is not None and opts["max_new_tokens"] < 0:
-        raise UsageError(f"invalid --max-new-tokens {opts['max_new_tokens']}; it must be >= 0")
+    if opts.get("max_new_tokens") is not None:
+        check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
+    check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
     check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
     from klevict_cli.policies import POLICIES
 
     check_choice("method", opts["method"], tuple(POLICIES))
-    if not 0 < opts["top_p"] <= 1:
-        raise UsageError(f"invalid --top-p {opts['top_p']}; it must be in (0, 1]")
-    if opts["repetition_penalty"] < 1:
-        raise UsageError(f"invalid --repetition-penalty {opts['repetition_penalty']}; it must be >= 1")
-    if opts["temperature"] < 0:
-        raise UsageError(f"invalid --temperature {opts['temperature']}; it must be >= 0")
+    top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
+    check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+    check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
+    # Below 0.01 sampling is all but greedy, and near 0 logits / temperature overflows to NaN probabilities.
+    check_real("temperature", temperature, temperature == 0 or 0.01 <= temperature <= 100,
+               "0 (greedy) or from 0.01 to 100")
     return opts
 
 

@@ -701,6 +701,24 @@ def test_other_bad_option_values(doc, model, option, value):
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "1e-320"), ("--temperature", "1000"),
+     ("--top-p", "nan"), ("--top-p", "inf"), ("--repetition-penalty", "nan"), ("--repetition-penalty", "inf"),
+     ("--seed", str(2**64)), ("--seed", "-1"), ("--max-new-tokens", str(10**20)), ("--chunk-size", str(10**11)),
+     ("--probe-window", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
+)
+def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, monkeypatch, option, value):
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
+
+
+def test_numeric_options_from_the_config_are_checked_too(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text(f"seed: {2**70}\n")
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "--seed")
+
+
 def test_bad_cache_dtype(doc, model, tmp_path):
     assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--cache-dtype", "int8"), 2,
                  "--cache-dtype", "float16")
