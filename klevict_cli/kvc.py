@@ -189,20 +189,12 @@ def load_kvc(
 ) -> KvcFile:
     """Load a cache only if every check passes: layout, checksum, contents, then model identity and shapes."""
     path = Path(path)
-    with _open_regular(path) as (f, _):
-        data = f.read()
-    length = _header_length(path, data[:8], len(data))
-    metadata, entries = _parse_header(path, data[8 : 8 + length], len(data) - 8 - length)
-    _check_format(path, metadata)
-    num_layers = _check_layout(path, metadata, entries)
-
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as exc:  # the checks above should leave nothing for safetensors to object to
-        raise _error(path, f"cannot decode the tensors ({_show(exc)})") from None
-    del data
-    if _payload_sha256(metadata, tensors) != metadata.get("payload_sha256"):
-        raise _error(path, "checksum mismatch: the file is corrupt or was edited")
+    with _open_regular(path) as (f, size):
+        length = _header_length(path, f.read(8), size)
+        metadata, entries = _parse_header(path, f.read(length), size - 8 - length)
+        _check_format(path, metadata)
+        num_layers = _check_layout(path, metadata, entries)
+        tensors = _read_tensors(path, f, 8 + length, metadata, entries)
 
     layers = _layers_of(tensors, num_layers)
     _check_contents(path, layers, tensors["tokens"])
@@ -223,6 +215,39 @@ def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
         raise _error(path, "no such file") from None
     except OSError as exc:
         raise _error(path, f"cannot read the file ({exc.strerror or exc})") from None
+
+
+def _read_tensors(
+    path: Path, f: BinaryIO, start: int, metadata: dict[str, str], entries: dict[str, _Entry]
+) -> dict[str, torch.Tensor]:
+    """Checksum the data in fixed-size blocks before allocating anything for it, so that a corrupt or hostile file,
+    however large, is refused in constant memory; then read each tensor straight into its own storage."""
+    digest = _metadata_digest(metadata)
+    for name in sorted(entries):
+        entry = entries[name]
+        _frame(digest, name, entry.dtype, entry.shape, entry.end - entry.begin)
+        f.seek(start + entry.begin)
+        for block in _blocks(path, f, entry.end - entry.begin):
+            digest.update(block)
+    if digest.hexdigest() != metadata.get("payload_sha256"):
+        raise _error(path, "checksum mismatch: the file is corrupt or was edited")
+    tensors = {}
+    for name, entry in entries.items():
+        raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+        f.seek(start + entry.begin)
+        if raw.numel() and f.readinto(memoryview(raw.numpy())) != raw.numel():
+            raise _error(path, "the file changed while it was read")
+        tensors[name] = raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
+    return tensors
+
+
+def _blocks(path: Path, f: BinaryIO, size: int, block: int = 1 << 20) -> Iterator[bytes]:
+    while size > 0:
+        data = f.read(min(size, block))
+        if not data:
+            raise _error(path, "the file changed while it was read")
+        size -= len(data)
+        yield data
 
 
 def _header_length(path: Path, prefix: bytes, size: int) -> int:
@@ -444,16 +469,25 @@ def _check_specs(path: Path, layers: list[PackedLayer], specs: list[LayerSpec] |
 
 def _payload_sha256(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
     """Covers every byte that matters, so an edited budget or a flipped bit is caught rather than used."""
-    digest = hashlib.sha256()
-    rest = {key: value for key, value in metadata.items() if key != "payload_sha256"}
-    digest.update(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    digest = _metadata_digest(metadata)
     for name in sorted(tensors):
         tensor = tensors[name]
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        framing = [name, _safetensors_name(tensor.dtype), list(tensor.shape), raw.numel()]
-        digest.update(json.dumps(framing).encode() + b"\n")
+        _frame(digest, name, _safetensors_name(tensor.dtype), tensor.shape, raw.numel())
         digest.update(raw.numpy())
     return digest.hexdigest()
+
+
+def _metadata_digest(metadata: dict[str, str]):
+    digest = hashlib.sha256()
+    rest = {key: value for key, value in metadata.items() if key != "payload_sha256"}
+    digest.update(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    return digest
+
+
+def _frame(digest, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """What precedes a tensor's bytes in the checksum: its name, dtype, shape and length."""
+    digest.update(json.dumps([name, dtype, list(shape), nbytes]).encode() + b"\n")
 
 
 def _safetensors_name(dtype: torch.dtype) -> str:

@@ -1,9 +1,11 @@
 """The .kvc file must round-trip exactly and turn every kind of damage into a one-line CacheFileError."""
 
+import json
 import os
 import random
 import stat
 import struct
+import tracemalloc
 
 import pytest
 import safetensors.torch
@@ -259,6 +261,43 @@ def test_giant_header_length(tmp_path):
     path = tmp_path / "g.kvc"
     path.write_bytes(struct.pack("<Q", 2**40) + b"{}" * 100)
     rejects(path, "header too large")
+
+
+def peak_python_memory(fn) -> int:
+    """Peak bytes Python allocated while `fn` ran (a whole-file read would show as one huge bytes object)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+BIG = 256 * 2**20  # sparse: no disk is spent on it
+
+
+def test_a_huge_junk_file_is_refused_in_constant_memory(tmp_path):
+    path = tmp_path / "junk.kvc"
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", 20) + b"this is not JSON....")
+        f.truncate(BIG)
+    peak = peak_python_memory(lambda: rejects(path, "not valid JSON"))
+    assert peak < 8 * 2**20, peak
+
+
+def test_a_huge_file_with_a_plausible_header_is_refused_in_constant_memory(tmp_path):
+    """The header tiles the data exactly, so only the checksum can tell: it must be taken without loading the data."""
+    path = tmp_path / "big.kvc"
+    count = BIG // 4
+    header = json.dumps({
+        "__metadata__": {"format": "klevict-kvc", "format_version": "1", "num_layers": "0", "payload_sha256": "0"},
+        "tokens": {"dtype": "I32", "shape": [count], "data_offsets": [0, 4 * count]},
+    }).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 4 * count)
+    peak = peak_python_memory(lambda: rejects(path, "checksum mismatch"))
+    assert peak < 8 * 2**20, peak
 
 
 @pytest.mark.parametrize("header", [b'{"__metadata__": {', b"[1, 2]", b'{"a": NaN}', b"\xff\xfe{}"])
