@@ -141,6 +141,7 @@ def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _error(name, "cannot save: metadata must map strings to strings")
 
+    _check_metadata_values(name, metadata)
     layout = {key: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for key, t in tensors.items()}
     num_layers = _check_layout(name, metadata, layout)
     _check_contents(name, _layers_of(tensors, num_layers), tensors["tokens"])
@@ -185,14 +186,17 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 
 def load_kvc(
-    path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None
+    path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None,
+    vocab_size: int | None = None,
 ) -> KvcFile:
-    """Load a cache only if every check passes: layout, checksum, contents, then model identity and shapes."""
+    """Load a cache only if every check passes: layout, checksum, contents, then model identity, shapes and
+    vocabulary (a checksum only proves the file is as written, not that what was written makes sense)."""
     path = Path(path)
     with _open_regular(path) as (f, size):
         length = _header_length(path, f.read(8), size)
         metadata, entries = _parse_header(path, f.read(length), size - 8 - length)
         _check_format(path, metadata)
+        _check_metadata_values(path, metadata)
         num_layers = _check_layout(path, metadata, entries)
         tensors = _read_tensors(path, f, 8 + length, metadata, entries)
 
@@ -200,6 +204,8 @@ def load_kvc(
     _check_contents(path, layers, tensors["tokens"])
     _check_expected(path, metadata, expect or {})
     _check_specs(path, layers, specs)
+    if vocab_size is not None:
+        check_vocabulary(path, tensors["tokens"], vocab_size)
     return KvcFile(layers=layers, tokens=tensors["tokens"], metadata=metadata)
 
 
@@ -402,12 +408,45 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
             raise _error(path, f"layer {i}: head lengths sum to {total} but the layer holds {entries} entries")
         if entries == 0:
             continue
+        if not (torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()):
+            raise _error(path, f"layer {i}: keys or values hold NaN or infinity")
         if int(layer.positions.min()) < 0 or int(layer.positions.max()) >= tokens.numel():
             raise _error(path, f"layer {i}: positions out of range for the {tokens.numel()} streamed tokens")
         if int(layer.rope_positions.min()) < 0:
             raise _error(path, f"layer {i}: a rope position is negative")
         if not _increasing_within_heads(layer.positions, lengths):
             raise _error(path, f"layer {i}: positions are not strictly increasing within a head")
+
+
+def check_vocabulary(path: Path | str, tokens: torch.Tensor, vocab_size: int) -> None:
+    """Token ids the tokenizer cannot decode mean a cache built for another vocabulary, or a forged one."""
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
+        raise _error(path, f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab_size}")
+
+
+# Metadata that must hold a count (or "all"), and metadata that must hold a JSON object.
+_COUNT_KEYS = ("next_position", "next_rope", "prefix_tokens", "document_tokens", "chunk_size", "probe_window",
+               "budget_tokens")
+_JSON_KEYS = ("method_params", "method_state")
+
+
+def _check_metadata_values(path: Path | str, metadata: dict[str, str]) -> None:
+    """Values that code later parses: ASCII counts (int() would also take "²", "+1" or "1_0") and JSON objects."""
+    for key in _COUNT_KEYS:
+        value = metadata.get(key)
+        if value is None or (key == "budget_tokens" and value == "all"):
+            continue
+        if not (value.isascii() and value.isdigit()):
+            raise _error(path, f"metadata {key} is not a count ({_show(value)})")
+    for key in _JSON_KEYS:
+        if key not in metadata:
+            continue
+        try:
+            value = json.loads(metadata[key], parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise _error(path, f"metadata {key} is not valid JSON ({_show(exc)})") from None
+        if not isinstance(value, dict):
+            raise _error(path, f"metadata {key} is not a JSON object")
 
 
 def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> bool:

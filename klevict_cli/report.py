@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import visible
-from klevict_cli.kvc import KvcFile, load_kvc
+from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -70,6 +70,8 @@ def describe(path: Path, kvc: KvcFile) -> dict:
 
 def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None) -> None:
     kvc = load_kvc(path)
+    # rendered first: a file the tokenizer cannot decode is refused before anything is printed
+    rendered = render_text(path, kvc, model or kvc.metadata.get("model_id")) if text and not as_json else None
     info = describe(path, kvc)
     if as_json:
         console.file.write(json.dumps(info) + "\n")
@@ -92,15 +94,16 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     for i, counts in enumerate(info["kept_per_layer"]):
         layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
     console.print(layers)
-    if text:
-        console.print(render_text(kvc, model or meta.get("model_id")))
+    if rendered is not None:
+        console.print(rendered)
 
 
-def render_text(kvc: KvcFile, model: str | None) -> Text:
+def render_text(path: Path, kvc: KvcFile, model: str | None) -> Text:
     """The streamed text, kept tokens highlighted by how many heads kept them."""
     from klevict_cli.models import load_model
 
     tokenizer = load_model(model, quiet=True).tokenizer
+    check_vocabulary(path, kvc.tokens, len(tokenizer))
     share = kept_share(kvc).tolist()
     out = Text()
     for token, s in zip(kvc.tokens.tolist(), share):

@@ -225,7 +225,7 @@ class Session:
 
     def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""
-        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity())
+        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity(), vocab_size=len(self.lm.tokenizer))
         meta = kvc.metadata
         try:
             next_rope = int(meta["next_rope"])

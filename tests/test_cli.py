@@ -503,6 +503,26 @@ def test_a_kvc_keeps_what_kl_learnt_and_a_state_that_does_not_fit_is_refused(com
     assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, "method state")
 
 
+@pytest.mark.parametrize("damage", ["nan-keys", "token-id", "method-params", "unicode-digit"])
+def test_a_cache_with_a_valid_checksum_but_bad_contents_is_refused(kvc_copy, model, damage):
+    """The checksum proves the file is as written; a forged file is written with a valid one."""
+    from tests.test_kvc import raw_parts, write_raw
+
+    tensors, metadata = raw_parts(kvc_copy)
+    if damage == "nan-keys":
+        tensors["layers.0.keys"][:] = float("nan")
+    elif damage == "token-id":
+        tensors["tokens"][5] = len(make_tokenizer())
+    elif damage == "method-params":
+        metadata["method_params"] = "{oops"
+    else:
+        metadata["budget_tokens"] = "\u0664"  # ARABIC-INDIC DIGIT FOUR: str.isdigit() says yes, int() says 4
+    write_raw(kvc_copy, tensors, metadata)
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], "--model", model, *GEN), 4, str(kvc_copy))
+    if damage == "token-id":
+        assert_error(invoke("inspect", kvc_copy, "--text"), 4, "vocabulary")
+
+
 def test_truncated_file_is_refused(kvc_copy, model):
     data = kvc_copy.read_bytes()
     kvc_copy.write_bytes(data[: len(data) // 2])

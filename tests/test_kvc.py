@@ -387,6 +387,36 @@ def test_negative_rope_position(tmp_path):
     rejects(tmp_path / "r.kvc", "rope position is negative")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("field", ["keys", "values"])
+def test_nan_or_infinite_keys_and_values_are_refused_even_with_a_valid_checksum(tmp_path, field, value):
+    tensors, metadata = raw_parts_of_new(tmp_path)
+    tensors[f"layers.1.{field}"][2, 3] = value
+    write_raw(tmp_path / "n.kvc", tensors, metadata)
+    rejects(tmp_path / "n.kvc", "layer 1: keys or values hold NaN or infinity")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(saved):
+    path, original = saved
+    top = int(original.tokens.max())
+    assert load_kvc(path, vocab_size=top + 1)
+    rejects(path, f"token id {top} is outside the model's vocabulary of {top}", vocab_size=top)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("method_params", "{not json", "metadata method_params is not valid JSON"),
+     ("method_params", "[1, 2]", "metadata method_params is not a JSON object"),
+     ("method_state", '{"a": NaN}', "metadata method_state is not valid JSON"),
+     ("next_rope", "\u00b2", "metadata next_rope is not a count"),
+     ("budget_tokens", "+64", "metadata budget_tokens is not a count")],
+)
+def test_metadata_that_code_parses_must_parse(tmp_path, key, value, message):
+    tensors, metadata = raw_parts_of_new(tmp_path)
+    write_raw(tmp_path / "m.kvc", tensors, {**metadata, key: value})
+    rejects(tmp_path / "m.kvc", message)
+
+
 def test_cache_from_another_model(saved):
     path, _ = saved
     message = rejects(
