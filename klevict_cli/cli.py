@@ -25,7 +25,7 @@ from klevict_cli.errors import KlevictError, OutputError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
     MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
-    parse_size,
+    parse_size, resolve_device, resolve_dtype,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
@@ -159,6 +159,7 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     if opts.get("max_new_tokens") is not None:
         check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
     check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
+    resolve_dtype(opts["dtype"], resolve_device(opts["device"]))
     check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)

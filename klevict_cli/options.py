@@ -250,3 +250,40 @@ def parse_size(name: str, text: str) -> int:
     if not 0 < size <= _SIZE_UNITS["t"] * 2**20:  # an exabyte: also refuses a number too long to be a float (inf)
         raise UsageError(f"invalid --{_flag(name)} '{text}'; use a size like 512M, 4G or 1.5GiB")
     return int(size)
+
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA
+
+
+def resolve_device(name: str):
+    """The torch device for --device, refusing one this machine does not have: a bad option, found before the model
+    loads."""
+    import torch  # here, so that `klevict --help` does not wait for it
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"invalid --device '{name}'; unknown device (choose cpu, cuda, cuda:N, mps or auto)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"invalid --device '{name}': no CUDA GPU is available (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"invalid --device '{name}': it does not exist ({torch.cuda.device_count()} CUDA GPU(s)"
+                             " found)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"invalid --device '{name}': Apple MPS is not available (use --device cpu)")
+    return device
+
+
+def resolve_dtype(name: str, device):
+    """The torch dtype for --dtype; "auto" picks what is fast and accurate on `device`."""
+    import torch
+
+    check_choice("dtype", name, DTYPE_CHOICES)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

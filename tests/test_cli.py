@@ -739,6 +739,14 @@ def test_numeric_options_from_the_config_are_checked_too(doc, model, tmp_path):
     assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "--seed")
 
 
+@pytest.mark.parametrize(("option", "value"), [("--device", "tpu"), ("--device", "cuda:99"), ("--dtype", "float64")])
+def test_device_and_dtype_are_options_checked_before_reading(doc, model, monkeypatch, option, value):
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option, value)
+    assert_error(invoke("ask", doc, "Why?", "--model", model, option, value), 2, option)  # before the cache too
+
+
 def test_bad_cache_dtype(doc, model, tmp_path):
     assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--cache-dtype", "int8"), 2,
                  "--cache-dtype", "float16")
