@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from klevict_cli import __version__
 from klevict_cli.display import json_text, visible
-from klevict_cli.errors import KlevictError, OutputError, UsageError
+from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
     MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
@@ -68,8 +68,9 @@ DEFAULTS: dict[str, Any] = {
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
 # ---- shared options ------------------------------------------------------------------------------------------
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default), "
-                                               "a local HF folder, a .gguf file or a hub id.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default; "
+                                               "for ask, the model that made the cache), a local HF folder, a .gguf "
+                                               "file or a hub id.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
                                                 "2k (=2048). Default 10%.")]
 MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default kl; none = full "
@@ -363,6 +364,8 @@ def ask(
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
                            quiet=quiet)
     questions = _questions(question)
+    if opts["model"] is None:
+        opts["model"] = model_of(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
     gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
@@ -378,6 +381,19 @@ def ask(
             if len(questions) > 1 and i:
                 echo("")
             echo(answer["text"])
+
+
+def model_of(cache_file: Path) -> str:
+    """The model that made a cache, for when --model is not given: a packaged alias, or a folder or file that exists
+    here. A hub id is never downloaded because a file named it."""
+    from klevict_cli.kvc import read_metadata
+    from klevict_cli.models import PACKAGED_MODELS
+
+    made = read_metadata(cache_file).get("model_id", "")
+    if made in PACKAGED_MODELS or (made and Path(made).expanduser().exists()):
+        return made
+    raise ModelError(f"{cache_file}: made by model '{made}', which is neither a packaged model nor a folder or file"
+                     " here; pass --model to say which model to use")
 
 
 def _questions(question: str) -> list[str]:
@@ -404,7 +420,8 @@ def inspect(
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
 
-    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out)
+    model = model_of(cache_file) if text and not json_out else None
+    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model)
 
 
 @app.command()

@@ -187,10 +187,11 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 def load_kvc(
     path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, using: str | None = None,
 ) -> KvcFile:
     """Load a cache only if every check passes: layout, checksum, contents, then model identity, shapes and
-    vocabulary (a checksum only proves the file is as written, not that what was written makes sense)."""
+    vocabulary (a checksum only proves the file is as written, not that what was written makes sense). `using`
+    names the loading model in messages."""
     path = Path(path)
     with _open_regular(path) as (f, size):
         length = _header_length(path, f.read(8), size)
@@ -202,7 +203,7 @@ def load_kvc(
 
     layers = _layers_of(tensors, num_layers)
     _check_contents(path, layers, tensors["tokens"])
-    _check_expected(path, metadata, expect or {})
+    _check_expected(path, metadata, expect or {}, using)
     _check_specs(path, layers, specs)
     if vocab_size is not None:
         check_vocabulary(path, tensors["tokens"], vocab_size)
@@ -460,16 +461,20 @@ def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> 
     return bool(rising.all())
 
 
-def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]) -> None:
-    """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed."""
+def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str], using: str | None) -> None:
+    """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed (`using`: the
+    id of the model loading it)."""
     wrong = {key for key, value in expect.items() if metadata.get(key) != value}
     if wrong & {"model_id", "model_config_sha256", "model_weights_sha256"}:
-        made = _show(metadata.get("model_id", "an unknown model"))
+        made = metadata.get("model_id", "an unknown model")
         what = "architecture (config)" if "model_config_sha256" in wrong else "weights"
+        if made == using:  # pointing at the same name again would not help: it now holds another model
+            raise _error(path, f"this cache was made by model {_show(made)}, whose {what} have changed since"
+                               " (another version of it?) — recompress it with the model as it is now")
         raise _error(
             path,
-            f"this cache was made by model {made}, whose {what} differ from the model you are using"
-            f" — recompress with this model or pass --model {made}",
+            f"this cache was made by model {_show(made)}, whose {what} differ from the model you are using"
+            f" — recompress with this model or pass --model {_show(made)}",
         )
     if "tokenizer_sha256" in wrong:
         made = _show(metadata.get("tokenizer_sha256", "unknown"))[:12]

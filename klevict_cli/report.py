@@ -71,7 +71,7 @@ def describe(path: Path, kvc: KvcFile) -> dict:
 def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None) -> None:
     kvc = load_kvc(path)
     # rendered first: a file the tokenizer cannot decode is refused before anything is printed
-    rendered = render_text(path, kvc, model or kvc.metadata.get("model_id")) if text and not as_json else None
+    rendered = render_text(path, kvc, model) if text and not as_json else None
     info = describe(path, kvc)
     if as_json:
         console.file.write(json.dumps(info) + "\n")

@@ -225,7 +225,8 @@ class Session:
 
     def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""
-        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity(), vocab_size=len(self.lm.tokenizer))
+        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity(), vocab_size=len(self.lm.tokenizer),
+                       using=self.lm.model_id)
         meta = kvc.metadata
         try:
             next_rope = int(meta["next_rope"])

@@ -481,9 +481,27 @@ def test_ask_after_the_model_weights_changed_is_refused(doc, work, tmp_path):
     save_model(folder, seed=2)
     cli._session.cache_clear()  # a new `klevict` process would load the folder afresh
     try:
-        assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights differ")
+        line = assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights have changed",
+                            "recompress")
+        assert "--model" not in line  # the advice once was to pass the very model in use
     finally:
         cli._session.cache_clear()
+
+
+def test_ask_without_model_uses_the_model_that_made_the_cache(other_compressed, other_model):
+    explicit = json_out(invoke("ask", other_compressed, QUESTIONS[0], "--model", other_model, *GEN, "--json"))
+    implicit = json_out(invoke("ask", other_compressed, QUESTIONS[0], *GEN, "--json"))
+    assert implicit == {**explicit, "first_token_seconds": implicit["first_token_seconds"],
+                        "seconds": implicit["seconds"]}
+
+
+def test_ask_never_fetches_a_hub_model_a_cache_names(kvc_copy, monkeypatch):
+    from tests.test_kvc import raw_parts, write_raw
+
+    tensors, metadata = raw_parts(kvc_copy)
+    write_raw(kvc_copy, tensors, {**metadata, "model_id": "some-org/some-model"})
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("a model was loaded"))
+    assert_error(invoke("ask", kvc_copy, QUESTIONS[0], *GEN), 5, "some-org/some-model", "pass --model")
 
 
 def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
