@@ -62,6 +62,17 @@ class ReadResult:
     notes: list[str] = field(default_factory=list)
 
 
+def no_room(question: int, next_rope: int, positions: int, mode: str) -> str:
+    """Say what is too long: the question itself, or the question after this cache (and what would shrink that)."""
+    if question >= positions:
+        return (f"the question is {question} tokens with the chat frame, more than the model's {positions} positions"
+                " on its own; shorten it")
+    shrink = "recompress with --position-mode compact" if mode == "original" else "recompress with a smaller --budget"
+    return (f"the question ({question} tokens with the chat frame) does not fit after the cache, which ends at position"
+            f" {next_rope} of the model's {positions}; shorten it to fewer than {positions - next_rope} tokens, or"
+            f" {shrink}")
+
+
 class Session:
     """A loaded model plus what every operation on it needs (adapter, prompt frame, stop tokens)."""
 
@@ -142,10 +153,7 @@ class Session:
         suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
         room = self.adapter.max_positions - work.next_rope - len(suffix)
         if room < 1:
-            raise ResourceError(
-                f"the question ({len(suffix)} tokens) does not fit the model's {self.adapter.max_positions} positions"
-                f" after the cache (next position {work.next_rope}); recompress with a smaller budget"
-            )
+            raise ResourceError(no_room(len(suffix), work.next_rope, self.adapter.max_positions, mode))
         max_new = min(gen.max_new_tokens, room)
         # Compact mode: decode-phase eviction must leave every head short enough for the rest of the answer.
         head_cap = self.adapter.max_positions - max_new if mode == "compact" else None

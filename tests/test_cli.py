@@ -504,6 +504,19 @@ def test_ask_never_fetches_a_hub_model_a_cache_names(kvc_copy, monkeypatch):
     assert_error(invoke("ask", kvc_copy, QUESTIONS[0], *GEN), 5, "some-org/some-model", "pass --model")
 
 
+def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
+    """The tiny model has 2,048 positions and the cache ends near 430 (original positions)."""
+    from klevict_cli.prompts import encode_text
+
+    alone = assert_error(invoke("ask", compressed[0], "fox " * 3000, "--model", model, *GEN), 6, "shorten it")
+    assert "on its own" in alone and "recompress" not in alone
+    per_word = len(encode_text(make_tokenizer(), "fox " * 100)) / 100
+    question = "fox " * int(1850 / per_word)
+    assert 1700 < len(encode_text(make_tokenizer(), question)) < 2000  # fits alone, not after the cache
+    after = assert_error(invoke("ask", compressed[0], question, "--model", model, *GEN), 6, "after the cache")
+    assert "--position-mode compact" in after and "smaller" not in after  # in original mode a budget won't help
+
+
 def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
     assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model + "/", *GEN))
 
