@@ -21,11 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from klevict_cli import __version__
 from klevict_cli.display import json_text, visible
-from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
+from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
     MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
-    parse_size, resolve_device, resolve_dtype,
+    format_size, parse_size, resolve_device, resolve_dtype,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
@@ -218,6 +218,11 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
                          f" {session.adapter.max_positions} positions")
+    floor = session.estimate_peak_bytes(0, 0)  # weights and runtime: what no budget can lower
+    if settings.max_memory is not None and settings.max_memory < floor:
+        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
+                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
+                            " --model")
     with progress_bar(opts["quiet"]) as bar:
         task = bar.add_task(f"reading {document.name}", total=None)
         result = session.read(document, settings, lambda done, total: bar.update(task, completed=done, total=total),

@@ -252,6 +252,15 @@ def parse_size(name: str, text: str) -> int:
     return int(size)
 
 
+def format_size(size: int) -> str:
+    """'512 MiB', '1.50 GiB': the inverse of `parse_size`, readable at any scale (not '0.00 GiB')."""
+    for unit in ("T", "G", "M", "K"):
+        if size >= _SIZE_UNITS[unit.lower()]:
+            value = size / _SIZE_UNITS[unit.lower()]
+            return f"{value:.2f} {unit}iB" if value < 10 else f"{value:.0f} {unit}iB"
+    return f"{size} bytes"
+
+
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA
 
 

@@ -878,13 +878,20 @@ def test_no_arguments_shows_help():
 
 
 def test_max_memory_refuses_up_front_with_the_estimate(doc, model):
-    line = assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "1M"),
-                        6, "--max-memory")
+    just_the_model = cli._session(model, "cpu", "float32", True).estimate_peak_bytes(0, 0)
+    line = assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory",
+                               str(just_the_model + 1)), 6, "--max-memory", "--budget")
     assert "GiB" in line
     assert not (doc.parent / "mem.kvc").exists()
     assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "lots"), 2)
     assert_ok(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory", "8G",
                      "--budget", "64", "--chunk-size", "32"))
+
+
+def test_max_memory_below_the_model_itself_says_so(doc, model):
+    line = assert_error(invoke("summarize", doc, "--model", model, *FAST, *GEN, "--max-memory", "1M"), 6,
+                        "--max-memory 1.00 MiB", "model alone needs")
+    assert "0.00" not in line and "--budget" not in line  # no budget could help
 
 
 def test_chunk_size_beyond_the_context_is_refused(doc, model):

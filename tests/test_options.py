@@ -13,6 +13,7 @@ from klevict_cli.options import (
     load_config,
     merge_options,
     parse_budget,
+    format_size,
     parse_size,
 )
 
@@ -316,3 +317,10 @@ def test_int_range():
     for bad in (2**64, -1, True, 1.0):
         with pytest.raises(UsageError, match="--seed"):
             check_int_range("seed", bad, 0, 2**64 - 1)
+
+
+@pytest.mark.parametrize(("size", "shown"), [(512, "512 bytes"), (2**20, "1.00 MiB"), (3 * 2**29, "1.50 GiB"),
+                                             (300 * 2**20, "300 MiB"), (5 * 2**40, "5.00 TiB")])
+def test_format_size(size, shown):
+    assert format_size(size) == shown
+    assert parse_size("max_memory", shown.replace(" bytes", "")) == size
