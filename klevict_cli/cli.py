@@ -214,6 +214,8 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
     document = load_document(source)
+    for line in document.notes:
+        note(opts, f"note: {line}")
     session = session_for(opts)
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"

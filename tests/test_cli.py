@@ -726,6 +726,14 @@ def test_binary_document(model, tmp_path):
     assert not (tmp_path / "x.kvc").exists()
 
 
+def test_a_windows_1252_document_is_read_with_a_note(model, tmp_path):
+    path = tmp_path / "old.txt"
+    path.write_bytes(DOC_TEXT.replace("Ishmael", "Ishmaël").encode("cp1252"))
+    result = invoke("summarize", path, "--model", model, *FAST, *GEN, "--json")
+    assert json_out(result)["document"]["tokens"] > 64
+    assert result.stderr == f"note: {path} is not UTF-8; read it as Windows-1252 (Latin-1)\n"
+
+
 def test_directory_as_document(model, tmp_path):
     assert_error(invoke("summarize", tmp_path, "--model", model, *FAST, *GEN), 3, "directory")
 
