@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import json_text, visible
+from klevict_cli.display import TextStream, json_text, visible
 from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
 from klevict_cli.files import check_destination, is_stdout
 from klevict_cli.options import (
@@ -131,8 +131,7 @@ def say(line: str) -> None:
 
 def echo(text: str) -> None:
     """A result on stdout as plain text: no rich markup or emoji codes, control characters shown, not obeyed."""
-    sys.stdout.write(visible(text, keep="\n\t") + "\n")
-    sys.stdout.flush()
+    put(text + "\n")
 
 
 class Terminated(BaseException):
@@ -180,6 +179,7 @@ def progress_bar(quiet: bool) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
         TimeRemainingColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
+        redirect_stdout=False, redirect_stderr=False,  # results stream to stdout while the bar runs on stderr
     )
 
 
@@ -234,6 +234,34 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
     return session, result
 
 
+def generate(opts: dict, session, stream, question: str, mode: str, **policy) -> dict:
+    """Answer `question`. Plain output is printed token by token as it is written; --json waits for the whole
+    answer, and meanwhile a terminal on stderr shows a count of the tokens generated."""
+    from klevict_cli.session import GenerateSettings
+
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
+    text = None if opts["json"] else TextStream(session.lm.tokenizer)
+    counting = opts["json"] or not sys.stdout.isatty()  # on a terminal the streamed text is progress enough
+    with progress_bar(opts["quiet"] or not counting) as bar:
+        task = bar.add_task("generating", total=None)
+
+        def on_token(tokens: list[int]) -> None:
+            bar.update(task, completed=len(tokens))
+            if text is not None:
+                put(text.update(tokens))
+
+        answer = session.answer(stream, question, gen, mode, seed=opts["seed"], on_token=on_token, **policy)
+    if text is not None:
+        put(text.finish(answer["text"]) + "\n")
+    return answer
+
+
+def put(piece: str) -> None:
+    """Part of a result on stdout, shown at once; like `echo`, control characters are shown, not obeyed."""
+    sys.stdout.write(visible(piece, keep="\n\t"))
+    sys.stdout.flush()
+
+
 def read_summary(result) -> dict:
     cache = result.stream.cache
     kept = sum(sum(c) for c in cache.kept_counts())
@@ -270,7 +298,6 @@ def summarize(
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
-    from klevict_cli.session import GenerateSettings
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -278,14 +305,11 @@ def summarize(
                            probe_window=probe_window, json=json_out,
                            quiet=quiet, prompt=prompt, max_memory=max_memory)
     session, result = read_document(opts, file)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
-    answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
-                            seed=opts["seed"], method=result.settings.method, budget=result.plan.budget)
+    answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
+                      method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
         emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
                    "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
-    else:
-        echo(answer["text"])
 
 
 @app.command()
@@ -365,8 +389,6 @@ def ask(
     repetition_penalty: RepeatOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
-    from klevict_cli.session import GenerateSettings
-
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
                            quiet=quiet)
@@ -375,19 +397,16 @@ def ask(
         opts["model"] = model_of(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
+    budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
     for i, q in enumerate(questions):
-        budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
-        answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"],
-                                method=meta.get("method", "none") if budget else "none", budget=budget)
+        if i and not opts["json"]:
+            echo("")
+        answer = generate(opts, session, stream, q, meta["position_mode"],
+                          method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:
             emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
                        "first_token_seconds": round(answer["first_token_seconds"], 4),
                        "seconds": round(answer["seconds"], 3)})
-        else:
-            if len(questions) > 1 and i:
-                echo("")
-            echo(answer["text"])
 
 
 def model_of(cache_file: Path) -> str:

@@ -21,3 +21,27 @@ def json_text(payload: object) -> str:
     leaves DEL, the C1 controls such as the one-byte CSI, and bidi overrides raw)."""
     text = json.dumps(payload, ensure_ascii=False)
     return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
+class TextStream:
+    """An answer's text, released piece by piece as its tokens arrive, so that it can be printed while it is written.
+
+    What is released always adds up to the final, stripped answer: leading and trailing whitespace is held back, and
+    so is a trailing U+FFFD (the first bytes of a character whose other bytes are still to come).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.shown = ""
+
+    def update(self, tokens: list[int]) -> str:
+        """The new text since the last call."""
+        ready = self.tokenizer.decode(tokens, skip_special_tokens=True).strip().removesuffix("\ufffd")
+        if not ready.startswith(self.shown):  # the tokenizer re-spaced earlier text: wait for `finish`
+            return ""
+        new, self.shown = ready[len(self.shown):], ready
+        return new
+
+    def finish(self, text: str) -> str:
+        """What is left of the final `text`; the whole of it again, on a new line, if the pieces went astray."""
+        return text[len(self.shown):] if text.startswith(self.shown) else "\n" + text

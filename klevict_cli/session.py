@@ -145,10 +145,11 @@ class Session:
     # ---- answering -----------------------------------------------------------------------------------------
     def answer(
         self, stream: Stream, question: str, gen: GenerateSettings, mode: str, seed: int = 0,
-        method: str = "none", budget: int | None = None,
+        method: str = "none", budget: int | None = None, on_token: Callable[[list[int]], None] | None = None,
     ) -> dict:
         """Answer one question from `stream` (left unchanged). With `method`/`budget`, long answers are kept within
-        the budget by decode-phase eviction. Returns text, token counts and timings."""
+        the budget by decode-phase eviction. `on_token` sees the answer's tokens so far after each one (to print
+        them as they come). Returns text, token counts and timings."""
         work = stream.clone()
         suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
         room = self.adapter.max_positions - work.next_rope - len(suffix)
@@ -168,6 +169,8 @@ class Session:
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)
+            if on_token is not None:
+                on_token(tokens)
         total = time.perf_counter() - start
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return {

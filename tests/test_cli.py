@@ -14,6 +14,7 @@ import random
 import shutil
 import signal
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -427,6 +428,33 @@ def test_ask_questions_from_stdin_one_json_line_each(compressed, model):
                              input="\n".join(questions) + "\n\n"))
     assert [row["question"] for row in rows] == questions
     assert all({"question", "answer", "first_token_seconds"} <= set(row) for row in rows)
+
+
+@pytest.mark.parametrize("command", ["ask", "summarize"])
+def test_plain_answers_are_printed_while_they_are_generated(doc, other_compressed, other_model, monkeypatch, command):
+    from klevict_cli.display import visible
+    from klevict_cli.session import Session
+
+    printed_so_far = []
+    real = Session.answer
+
+    def watched(self, *args, on_token=None, **kwargs):
+        def watch(tokens):
+            on_token(tokens)
+            printed_so_far.append(sys.stdout.buffer.getvalue().decode())
+        return real(self, *args, on_token=watch, **kwargs)
+
+    monkeypatch.setattr(Session, "answer", watched)
+    args = (["ask", other_compressed, QUESTIONS[0]] if command == "ask"
+            else ["summarize", doc, "--budget", "80", *FAST, "--prompt", QUESTIONS[0]])
+    gen = ["--model", other_model, "--max-new-tokens", "16"]
+    result = invoke(*args, *gen)
+    assert_ok(result)
+    assert len(set(printed_so_far)) > 3  # the text grew token by token, before the answer was complete
+    assert all(result.stdout.startswith(part) for part in printed_so_far)
+    monkeypatch.undo()
+    whole = json_out(invoke(*args, *gen, "--json"))
+    assert result.stdout == visible(whole["answer"] if command == "ask" else whole["summary"], keep="\n\t") + "\n"
 
 
 @pytest.mark.parametrize("stdin", ["", "\n  \n\t\n"], ids=["empty", "blank-lines"])
