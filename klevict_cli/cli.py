@@ -6,6 +6,7 @@ Every option may also come from `--config klevict.yaml`; the command line wins. 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -17,7 +18,9 @@ from typing import Annotated, Any
 import typer
 from typer import _click as click  # typer vendors its own click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from klevict_cli import __version__
 from klevict_cli.display import TextStream, json_text, visible
@@ -175,12 +178,31 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     return opts
 
 
-def progress_bar(quiet: bool) -> Progress:
+class Count(ProgressColumn):
+    """'1,200/4,096 tokens' once the total is known, '12 tokens' while it is not (never '0/?')."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        if task.total is not None:
+            return Text(f"{int(task.completed):,}/{int(task.total):,} {self.unit}")
+        return Text(f"{int(task.completed):,} {self.unit}" if task.completed else "")
+
+
+def progress_bar(quiet: bool, unit: str = "tokens") -> Progress:
+    """A transient bar on stderr, only on a terminal; descriptions are markup, so names in them must be `shown`."""
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-        TimeRemainingColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
+        TextColumn("[bold]{task.description}"), BarColumn(), Count(unit), TimeRemainingColumn(), console=err,
+        transient=True, disable=quiet or not err.is_terminal,
         redirect_stdout=False, redirect_stderr=False,  # results stream to stdout while the bar runs on stderr
     )
+
+
+def shown(name: str) -> str:
+    """A file name as a progress description: control characters and rich markup shown, not obeyed."""
+    return escape(visible(name))
 
 
 def note(opts: dict, message: str) -> None:
@@ -200,7 +222,10 @@ def _session(model: str | None, device: str, dtype: str, quiet: bool):
 
 def session_for(opts: dict):
     quiet = opts["quiet"] or not err.is_terminal
-    return _session(opts["model"], opts["device"], opts["dtype"], quiet)
+    what = f"model {shown(opts['model'])}" if opts["model"] else "the default model"
+    loading = contextlib.nullcontext() if quiet else err.status(f"loading {what}")
+    with loading:
+        return _session(opts["model"], opts["device"], opts["dtype"], quiet)
 
 
 def read_document(opts: dict, source: str, reserve: int | None = None):
@@ -225,10 +250,16 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
         raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
                             f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
                             " --model")
+    # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
+    prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
     with progress_bar(opts["quiet"]) as bar:
-        task = bar.add_task(f"reading {document.name}", total=None)
-        result = session.read(document, settings, lambda done, total: bar.update(task, completed=done, total=total),
-                              reserve=reserve)
+        task = bar.add_task(f"tokenising {shown(document.name)}", total=None)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=max(done - prefix, 0), total=total - prefix,
+                       description=f"reading {shown(document.name)}")
+
+        result = session.read(document, settings, advance, reserve=reserve)
     for line in result.notes:
         note(opts, f"note: {line}")
     return session, result
@@ -490,11 +521,11 @@ def bench(
         check_destination(json_path, "--json")
     document = load_document(file)
     session = session_for(opts)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=True, disable=opts["quiet"] or not err.is_terminal) as bar:
+    with progress_bar(opts["quiet"], unit="steps") as bar:
         job = bar.add_task("bench", total=None)
         result = run_bench(session, document, settings,
-                           lambda done, total, label: bar.update(job, completed=done, total=total, description=label))
+                           lambda done, total, label: bar.update(job, completed=done, total=total,
+                                                                 description=shown(label)))
     render(result, out)
     if json_path is not None:
         try:

@@ -8,6 +8,7 @@ exit code (2 option/budget/config, 3 document, 4 .kvc file, 6 does not fit), nev
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import random
@@ -932,3 +933,27 @@ def test_max_memory_below_the_model_itself_says_so(doc, model):
 
 def test_chunk_size_beyond_the_context_is_refused(doc, model):
     assert_error(invoke("summarize", doc, "--model", model, "--chunk-size", "100000"), 2, "--chunk-size")
+
+
+# ---- progress --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal, recorded: the progress display is drawn only there."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=150, highlight=False)
+    monkeypatch.setattr(cli, "err", console)
+    cli._session.cache_clear()  # so that loading is shown
+    yield console.file
+    cli._session.cache_clear()
+
+
+def test_progress_shows_loading_consistent_counts_and_generation(doc, model, terminal):
+    data = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, "--max-new-tokens", "3",
+                           "--json"))
+    drawn = terminal.getvalue()
+    tokens = data["document"]["tokens"]
+    assert f"loading model {model}" in drawn
+    assert f"{tokens:,}/{tokens:,} tokens" in drawn  # the bar's total is the document's count, as in the summary
+    assert "/?" not in drawn
+    assert "generating" in drawn and f"{data['new_tokens']} tokens" in drawn
