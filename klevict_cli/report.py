@@ -1,7 +1,7 @@
 """`klevict inspect`: what a `.kvc` file kept, where, and how big it is.
 
 Works without loading the model (the file is validated on its own); `--text` loads only the tokenizer's model to
-decode the stored token ids and highlight the kept spans.
+decode the stored token ids and highlight the kept spans: in colour on a terminal, with ⟦…⟧ marks elsewhere.
 """
 
 from __future__ import annotations
@@ -94,20 +94,44 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     for i, counts in enumerate(info["kept_per_layer"]):
         layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
     console.print(layers)
-    if rendered is not None:
-        console.print(rendered)
+    if rendered is not None and console.is_terminal:
+        console.print(LEGEND)
+        console.print(styled(rendered))
+    elif rendered is not None:
+        console.print(f"legend: {KEPT_MARKS[0]}kept by at least one KV head{KEPT_MARKS[1]}, the rest evicted by all",
+                      markup=False)
+        console.print(marked(rendered), markup=False, emoji=False)
 
 
-def render_text(path: Path, kvc: KvcFile, model: str | None) -> Text:
-    """The streamed text, kept tokens highlighted by how many heads kept them."""
+KEPT_MARKS = ("⟦", "⟧")  # rarely in a document, unlike [ ]: piped output marks kept spans with them
+LEGEND = Text.assemble("legend: ", ("kept by half the KV heads or more", "bold yellow"), " · ",
+                       ("kept by fewer", "yellow"), " · ", ("evicted by all", "dim"))
+
+
+def render_text(path: Path, kvc: KvcFile, model: str | None) -> list[tuple[str, float]]:
+    """The streamed text token by token, each piece with the share of (layer, KV head) slots that kept it."""
     from klevict_cli.models import load_model
 
     tokenizer = load_model(model, quiet=True).tokenizer
     check_vocabulary(path, kvc.tokens, len(tokenizer))
     share = kept_share(kvc).tolist()
+    return [(visible(tokenizer.decode([token]), keep="\n\t"), s) for token, s in zip(kvc.tokens.tolist(), share)]
+
+
+def styled(pieces: list[tuple[str, float]]) -> Text:
+    """For a terminal: kept tokens highlighted by how many heads kept them (see LEGEND)."""
     out = Text()
-    for token, s in zip(kvc.tokens.tolist(), share):
-        piece = visible(tokenizer.decode([token]), keep="\n\t")
-        style = "dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow")
-        out.append(piece, style=style)
+    for piece, s in pieces:
+        out.append(piece, style="dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow"))
     return out
+
+
+def marked(pieces: list[tuple[str, float]]) -> str:
+    """For a pipe or file, where colour is lost: ⟦…⟧ around each run of tokens some head kept."""
+    opened, parts = False, []
+    for piece, s in pieces:
+        if (s > 0) != opened:
+            parts.append(KEPT_MARKS[opened])
+            opened = not opened
+        parts.append(piece)
+    return "".join(parts) + (KEPT_MARKS[1] if opened else "")

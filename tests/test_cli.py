@@ -12,6 +12,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -650,7 +651,32 @@ def test_inspect_full_cache_keeps_everything(doc, model, tmp_path):
 def test_inspect_text_shows_the_document(compressed):
     result = invoke("inspect", compressed[0], "--text")
     assert_ok(result)
-    assert "Ishmael" in result.stdout
+    assert "Ishmael" in result.stdout.replace("⟦", "").replace("⟧", "")  # kept-span marks may split a word
+
+
+def test_inspect_text_piped_marks_the_kept_spans(doc, model, tmp_path):
+    """Colour is lost in a pipe: ⟦…⟧ mark what some head kept. `streaming` keeps the first tokens and the last."""
+    out = tmp_path / "streaming.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", model, "--method", "streaming", "--budget", "48", *FAST))
+    result = invoke("inspect", out, "--text")
+    assert_ok(result)
+    legend, _, text = result.stdout.partition("legend: ")[2].partition("\n")
+    assert "⟦kept by at least one KV head⟧" in legend
+    assert text.count("⟦") == text.count("⟧") >= 2 and text.rstrip().endswith("⟧")  # the recent window is kept
+    plain = text.replace("⟦", "").replace("⟧", "")
+    assert "Ishmael" in plain and "went home for supper." in plain
+    assert "went home for supper." in text.rpartition("⟦")[2]
+    assert "Ishmael" not in text.rpartition("⟦")[2]
+
+
+def test_inspect_text_on_a_terminal_has_colours_and_a_legend(compressed, monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setattr(cli, "out", Console(file=io.StringIO(), force_terminal=True, width=150, highlight=False))
+    assert_ok(invoke("inspect", compressed[0], "--text"))
+    drawn = cli.out.file.getvalue()
+    assert "legend: kept by half the KV heads or more" in re.sub("\x1b\\[[0-9;]*m", "", drawn)
+    assert "\x1b[" in drawn and "⟦" not in drawn
 
 
 HOSTILE = "[bold red]red[/] [link=https://evil.example]click[/link] \x1b]0;pwned\x07\x1b[2J\u202eevil\x9b31m"
