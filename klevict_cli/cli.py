@@ -76,8 +76,10 @@ ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged al
                                                "file or a hub id.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
                                                 "2k (=2048). Default 10%.")]
-MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default kl; none = full "
-                                                "cache).")]
+# Kept in step with klevict_cli.policies.POLICIES by a test (importing it here would slow down `--help`).
+METHODS = ("kl (default), kl-fisher, kl-layer, none (the full cache), streaming, snapkv, pyramidkv, h2o, tova, value, "
+           "caote, keydiff, knorm, random")
+MethodOpt = Annotated[str | None, typer.Option("--method", help=f"Eviction policy: {METHODS}.")]
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
@@ -486,7 +488,8 @@ def inspect(
 def bench(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods, or all (every method but "
-                                         "none, which is always measured as the reference).")] = "all",
+                                         "none, which is always measured as the reference); methods: "
+                                         f"{METHODS}.")] = "all",
     budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated budgets, each a fraction of --context "
                                          "(20%) or a token count.")] = "20%,10%,5%,2%",
     windows: Annotated[int, typer.Option("--windows", help="Document windows (and needle haystacks) to measure."
@@ -496,8 +499,10 @@ def bench(
                                               )] = 256,
     task: Annotated[str, typer.Option("--task", help="fidelity (KL, top-1, perplexity, cost), needle (retrieval "
                                       "of inserted facts) or both.")] = "fidelity",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw per-window number and the "
-                                                   "settings to this file.")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Write every raw per-window number and the "
+                                                  "settings to this JSON file.")] = None,
+    json_out: Annotated[bool | None, typer.Option("--json", help="Print those raw numbers as one JSON object on "
+                                                  "stdout instead of the tables.")] = None,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     seed: SeedOpt = None, probe_window: ProbeOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
@@ -508,7 +513,7 @@ def bench(
     from klevict_cli.policies import POLICIES
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
-                           probe_window=probe_window, quiet=quiet)
+                           probe_window=probe_window, quiet=quiet, json=json_out)
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation)):
         check_positive_int(name, value)
     check_choice("task", task, TASKS)
@@ -517,8 +522,8 @@ def bench(
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], task=task,
     )
-    if json_path is not None:
-        check_destination(json_path, "--json")
+    if out_path is not None:
+        check_destination(out_path, "--out")
     document = load_document(file)
     session = session_for(opts)
     with progress_bar(opts["quiet"], unit="steps") as bar:
@@ -526,13 +531,16 @@ def bench(
         result = run_bench(session, document, settings,
                            lambda done, total, label: bar.update(job, completed=done, total=total,
                                                                  description=shown(label)))
-    render(result, out)
-    if json_path is not None:
+    if opts["json"]:
+        emit_json(result)
+    else:
+        render(result, out)
+    if out_path is not None:
         try:
-            write_atomically(json_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
+            write_atomically(out_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
         except OSError as exc:
-            raise OutputError(f"--json {json_path}: cannot write it ({exc.strerror or exc})") from None
-        note(opts, f"wrote {json_path}")
+            raise OutputError(f"--out {out_path}: cannot write it ({exc.strerror or exc})") from None
+        note(opts, f"wrote {out_path}")
 
 
 def version_callback(value: bool):

@@ -934,6 +934,19 @@ def test_help_lists_the_exit_codes():
         assert command in text
 
 
+@pytest.mark.parametrize(("command", "option"), [("summarize", "--method"), ("compress", "--method"),
+                                               ("bench", "--methods")])
+def test_method_help_lists_every_method(command, option):
+    from klevict_cli.policies import POLICIES
+
+    result = invoke(command, "--help")
+    assert_ok(result)
+    text = re.sub(r"(?<=\w)- (?=\w)", "-", " ".join(result.stdout.split()))  # help wraps "kl-layer" after the "-"
+    described = text[text.index(option):]
+    for name in POLICIES:
+        assert f" {name}," in described or f" {name} (" in described or f" {name}." in described, name
+
+
 def test_no_arguments_shows_help():
     result = invoke()
     assert "summarize" in result.stdout + result.stderr
