@@ -18,14 +18,12 @@ from typing import Annotated, Any
 import typer
 from typer import _click as click  # typer vendors its own click
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
-from rich.text import Text
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import TextStream, json_text, visible
+from klevict_cli.display import Count, TextStream, json_text, shown, visible
 from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
-from klevict_cli.files import check_destination, is_stdout
+from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, write_stdout
 from klevict_cli.options import (
     MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
     format_size, parse_size, resolve_device, resolve_dtype,
@@ -34,7 +32,6 @@ from klevict_cli.options import (
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
 130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
-STDOUT_NAME = "<stdout>"
 
 app = typer.Typer(
     name="klevict",
@@ -180,19 +177,6 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     return opts
 
 
-class Count(ProgressColumn):
-    """'1,200/4,096 tokens' once the total is known, '12 tokens' while it is not (never '0/?')."""
-
-    def __init__(self, unit: str):
-        super().__init__()
-        self.unit = unit
-
-    def render(self, task) -> Text:
-        if task.total is not None:
-            return Text(f"{int(task.completed):,}/{int(task.total):,} {self.unit}")
-        return Text(f"{int(task.completed):,} {self.unit}" if task.completed else "")
-
-
 def progress_bar(quiet: bool, unit: str = "tokens") -> Progress:
     """A transient bar on stderr, only on a terminal; descriptions are markup, so names in them must be `shown`."""
     return Progress(
@@ -200,11 +184,6 @@ def progress_bar(quiet: bool, unit: str = "tokens") -> Progress:
         transient=True, disable=quiet or not err.is_terminal,
         redirect_stdout=False, redirect_stderr=False,  # results stream to stdout while the bar runs on stderr
     )
-
-
-def shown(name: str) -> str:
-    """A file name as a progress description: control characters and rich markup shown, not obeyed."""
-    return escape(visible(name))
 
 
 def note(opts: dict, message: str) -> None:
@@ -247,7 +226,7 @@ def read_document(opts: dict, source: str, reserve: int | None = None):
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
                          f" {session.adapter.max_positions} positions")
-    floor = session.estimate_peak_bytes(0, 0)  # weights and runtime: what no budget can lower
+    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
     if settings.max_memory is not None and settings.max_memory < floor:
         raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
                             f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
@@ -401,15 +380,6 @@ def check_stdout_for_binary(opts: dict) -> None:
     if sys.stdout.isatty():
         raise UsageError("-o - would write binary .kvc data to the terminal; redirect it (> doc.kvc) or give a"
                          " file name")
-
-
-def write_stdout(blob: bytes) -> int:
-    try:
-        sys.stdout.buffer.write(blob)
-        sys.stdout.buffer.flush()
-    except OSError as exc:  # a closed pipe, a full disk behind a redirect
-        raise OutputError(f"{STDOUT_NAME}: cannot write the cache ({exc.strerror or exc})") from None
-    return len(blob)
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""Text from files, paths and the model, made safe to print on a terminal.
+"""Text from files, paths and the model, made safe to print on a terminal; answers streamed, progress counted.
 
 A `.kvc` header, a file name, a document or a generated answer may hold escape sequences (ESC[…m recolours,
 ESC]0;… retitles the window, OSC 8 plants links) or rich markup (`[link=…]`). Printed raw they would drive the
@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import json
 
+from rich.markup import escape
+from rich.progress import ProgressColumn
+from rich.text import Text
+
 
 def visible(text: str, keep: str = "") -> str:
     """`text` with each non-printable character except those in `keep` (e.g. "\\n") shown as an escape."""
     return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+def shown(name: str) -> str:
+    """A file name inside rich markup (e.g. a progress description): control characters and markup shown."""
+    return escape(visible(name))
 
 
 def json_text(payload: object) -> str:
@@ -45,3 +54,16 @@ class TextStream:
     def finish(self, text: str) -> str:
         """What is left of the final `text`; the whole of it again, on a new line, if the pieces went astray."""
         return text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
+
+
+class Count(ProgressColumn):
+    """'1,200/4,096 tokens' once the total is known, '12 tokens' while it is not (never '0/?')."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        if task.total is not None:
+            return Text(f"{int(task.completed):,}/{int(task.total):,} {self.unit}")
+        return Text(f"{int(task.completed):,} {self.unit}" if task.completed else "")

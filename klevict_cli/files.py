@@ -1,6 +1,6 @@
 """Atomic file writes: readers see the old file or the new one, never half of one.
 
-Every file klevict writes (`.kvc` caches, bench JSON) goes through here: a temp file in the same directory, fsync,
+Every file klevict writes (`.kvc` caches, bench JSON) goes through here (and `-o -` through `write_stdout`): a temp file in the same directory, fsync,
 rename over the target, then a best-effort sync of the directory. An interrupted write leaves no debris. Only a
 regular file is ever replaced: a rename over `/dev/null`, a FIFO or a socket would destroy it.
 """
@@ -12,16 +12,28 @@ import errno
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 from klevict_cli.errors import OutputError, UsageError
 
 # Output names that mean standard output; renaming a temp file over /dev/stdout would replace the device instead.
 STDOUT_NAMES = ("-", "/dev/stdout")
+STDOUT_NAME = "<stdout>"  # how messages name it
 
 
 def is_stdout(path: Path | str) -> bool:
     return str(path) in STDOUT_NAMES
+
+
+def write_stdout(blob: bytes) -> int:
+    """Write `blob` to standard output (a pipe or a redirect; it cannot be atomic) and return its size."""
+    try:
+        sys.stdout.buffer.write(blob)
+        sys.stdout.buffer.flush()
+    except OSError as exc:  # a closed pipe, a full disk behind a redirect
+        raise OutputError(f"{STDOUT_NAME}: cannot write the cache ({exc.strerror or exc})") from None
+    return len(blob)
 
 
 def check_destination(path: Path, flag: str) -> None:
