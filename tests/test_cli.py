@@ -363,6 +363,14 @@ def test_compress_to_stdout_refuses_json_too(doc, model):
     assert_error(invoke("compress", doc, "-o", "-", "--model", model, "--json", *FAST), 2, "--json")
 
 
+def test_compress_to_stdout_refuses_a_terminal(doc, model, monkeypatch):
+    import typer.testing
+
+    monkeypatch.setattr(typer.testing._NamedTextIOWrapper, "isatty", lambda self: True, raising=False)
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    assert_error(invoke("compress", doc, "-o", "-", "--model", model, *FAST), 2, "terminal")
+
+
 def test_compress_into_a_missing_folder_fails_before_reading(doc, model, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
     out = tmp_path / "missing" / "doc.kvc"

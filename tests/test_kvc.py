@@ -273,7 +273,7 @@ def peak_python_memory(fn) -> int:
         tracemalloc.stop()
 
 
-BIG = 256 * 2**20  # sparse: no disk is spent on it
+BIG = 128 * 2**20  # sparse: no disk is spent on it
 
 
 def test_a_huge_junk_file_is_refused_in_constant_memory(tmp_path):
