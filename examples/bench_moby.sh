@@ -12,4 +12,4 @@ if [ -z "${KLEVICT:-}" ]; then
   . .venv/bin/activate
   KLEVICT=klevict
 fi
-"$KLEVICT" bench "$DOC" --methods all --budgets 20%,10%,5%,2% --windows 8 --seed 0 --json bench-moby.json "$@"
+"$KLEVICT" bench "$DOC" --methods all --budgets 20%,10%,5%,2% --windows 8 --seed 0 --out bench-moby.json "$@"

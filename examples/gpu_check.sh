@@ -42,7 +42,7 @@ real)
     step 120 $py examples/cost.py "$long" --model "$model" --device "$dev" --methods kl,snapkv,caote \
         --budgets 20%,10%,5% --reps 2 --json "$out/cost-cuda.json"
     step 240 $k bench "$long" --model "$model" --device "$dev" --methods all --windows 8 --seed 0 \
-        --json "$out/bench-cuda.json"
+        --out "$out/bench-cuda.json"
     step 120 $py examples/perf.py "$long" --model "$model" --device "$dev" --dtype bfloat16 --json "$out/perf-cuda.json"
     ;;
 *)

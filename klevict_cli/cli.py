@@ -6,6 +6,7 @@ Every option may also come from `--config klevict.yaml`; the command line wins. 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -18,17 +19,20 @@ from typing import Annotated, Any
 import typer
 from typer import _click as click  # typer vendors its own click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.errors import KlevictError, UsageError
+from klevict_cli.display import Count, TextStream, json_text, shown, visible
+from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
+from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, write_stdout
 from klevict_cli.options import (
-    check_choice, check_positive_int, load_config, merge_options, parse_budget, parse_size, parse_working_limit,
+    MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
+    format_size, parse_size, parse_working_limit, resolve_device, resolve_dtype,
 )
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
-4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 130 interrupted (Ctrl-C);
-143 terminated (SIGTERM)."""
+4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
+130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
 
 app = typer.Typer(
     name="klevict",
@@ -67,18 +71,21 @@ DEFAULTS: dict[str, Any] = {
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
 # ---- shared options ------------------------------------------------------------------------------------------
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default), "
-                                               "a local HF folder, a .gguf file or a hub id.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default; "
+                                               "for ask, the model that made the cache), a local HF folder, a .gguf "
+                                               "file or a hub id.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
                                                 "2k (=2048). Default 10%.")]
-MethodOpt = Annotated[str | None, typer.Option("--method", help="Eviction policy (default kl; none = full "
-                                                "cache).")]
+# Kept in step with klevict_cli.policies.POLICIES by a test (importing it here would slow down `--help`).
+METHODS = ("kl (default), kl-fisher, kl-layer, none (the full cache), streaming, snapkv, kvzip, kvgrad, "
+           "expected_attention, observed_attention, pyramidkv, h2o, tova, value, caote, keydiff, knorm, random")
+MethodOpt = Annotated[str | None, typer.Option("--method", help=f"Eviction policy: {METHODS}.")]
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
-TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
+TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default), or 0.01 to 100.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
 RepeatOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Discourage repeating the answer's last "
                                                  "64 tokens (1 = off; default 1.1).")]
@@ -127,9 +134,15 @@ def handle_errors(fn):
 
 
 def say(line: str) -> None:
-    """One unwrapped line on stderr (rich would wrap long messages at the terminal width)."""
-    sys.stderr.write(" ".join(line.split()) + "\n")
+    """One unwrapped line on stderr (rich would wrap long messages at the terminal width); file names in it may hold
+    escape sequences, which are shown, not obeyed."""
+    sys.stderr.write(visible(" ".join(line.split())) + "\n")
     sys.stderr.flush()
+
+
+def echo(text: str) -> None:
+    """A result on stdout as plain text: no rich markup or emoji codes, control characters shown, not obeyed."""
+    put(text + "\n")
 
 
 class Terminated(BaseException):
@@ -154,27 +167,31 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     if opts.get("chunk_size") is not None:
         check_positive_int("chunk_size", opts["chunk_size"])
     check_positive_int("probe_window", opts["probe_window"])
-    if opts.get("max_new_tokens") is not None and opts["max_new_tokens"] < 0:
-        raise UsageError(f"invalid --max-new-tokens {opts['max_new_tokens']}; it must be >= 0")
+    if opts.get("max_new_tokens") is not None:
+        check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
+    check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
+    resolve_dtype(opts["dtype"], resolve_device(opts["device"]))
     check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
     from klevict_cli.policies import POLICIES
 
     check_choice("method", opts["method"], tuple(POLICIES))
-    if not 0 < opts["top_p"] <= 1:
-        raise UsageError(f"invalid --top-p {opts['top_p']}; it must be in (0, 1]")
-    if opts["repetition_penalty"] < 1:
-        raise UsageError(f"invalid --repetition-penalty {opts['repetition_penalty']}; it must be >= 1")
-    if opts["temperature"] < 0:
-        raise UsageError(f"invalid --temperature {opts['temperature']}; it must be >= 0")
+    top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
+    check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+    check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
+    # Below 0.01 sampling is all but greedy, and near 0 logits / temperature overflows to NaN probabilities.
+    check_real("temperature", temperature, temperature == 0 or 0.01 <= temperature <= 100,
+               "0 (greedy) or from 0.01 to 100")
     return opts
 
 
-def progress_bar(quiet: bool) -> Progress:
+def progress_bar(quiet: bool, unit: str = "tokens") -> Progress:
+    """A transient bar on stderr, only on a terminal; descriptions are markup, so names in them must be `shown`."""
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-        TimeRemainingColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
+        TextColumn("[bold]{task.description}"), BarColumn(), Count(unit), TimeRemainingColumn(), console=err,
+        transient=True, disable=quiet or not err.is_terminal,
+        redirect_stdout=False, redirect_stderr=False,  # results stream to stdout while the bar runs on stderr
     )
 
 
@@ -195,7 +212,10 @@ def _session(model: str | None, device: str, dtype: str, quiet: bool):
 
 def session_for(opts: dict):
     quiet = opts["quiet"] or not err.is_terminal
-    return _session(opts["model"], opts["device"], opts["dtype"], quiet)
+    what = f"model {shown(opts['model'])}" if opts["model"] else "the default model"
+    loading = contextlib.nullcontext() if quiet else err.status(f"loading {what}")
+    with loading:
+        return _session(opts["model"], opts["device"], opts["dtype"], quiet)
 
 
 def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
@@ -212,17 +232,58 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
     document = load_document(source)
+    for line in document.notes:
+        note(opts, f"note: {line}")
     session = session_for(opts)
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
                          f" {session.adapter.max_positions} positions")
+    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
+    if settings.max_memory is not None and settings.max_memory < floor:
+        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
+                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
+                            " --model")
+    # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
+    prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
     with progress_bar(opts["quiet"]) as bar:
-        task = bar.add_task(f"reading {document.name}", total=None)
-        result = session.read(document, settings, lambda done, total: bar.update(task, completed=done, total=total),
-                              reserve=reserve)
+        task = bar.add_task(f"tokenising {shown(document.name)}", total=None)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=max(done - prefix, 0), total=total - prefix,
+                       description=f"reading {shown(document.name)}")
+
+        result = session.read(document, settings, advance, reserve=reserve)
     for line in result.notes:
         note(opts, f"note: {line}")
     return session, result
+
+
+def generate(opts: dict, session, stream, question: str, mode: str, **policy) -> dict:
+    """Answer `question`. Plain output is printed token by token as it is written; --json waits for the whole
+    answer, and meanwhile a terminal on stderr shows a count of the tokens generated."""
+    from klevict_cli.session import GenerateSettings
+
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
+    text = None if opts["json"] else TextStream(session.lm.tokenizer)
+    counting = opts["json"] or not sys.stdout.isatty()  # on a terminal the streamed text is progress enough
+    with progress_bar(opts["quiet"] or not counting) as bar:
+        task = bar.add_task("generating", total=None)
+
+        def on_token(tokens: list[int]) -> None:
+            bar.update(task, completed=len(tokens))
+            if text is not None:
+                put(text.update(tokens))
+
+        answer = session.answer(stream, question, gen, mode, seed=opts["seed"], on_token=on_token, **policy)
+    if text is not None:
+        put(text.finish(answer["text"]) + "\n")
+    return answer
+
+
+def put(piece: str) -> None:
+    """Part of a result on stdout, shown at once; like `echo`, control characters are shown, not obeyed."""
+    sys.stdout.write(visible(piece, keep="\n\t"))
+    sys.stdout.flush()
 
 
 def read_summary(result) -> dict:
@@ -243,7 +304,7 @@ def read_summary(result) -> dict:
 
 
 def emit_json(payload: dict) -> None:
-    sys.stdout.write(json.dumps(payload, ensure_ascii=False) + "\n")
+    sys.stdout.write(json_text(payload) + "\n")
     sys.stdout.flush()
 
 
@@ -262,7 +323,6 @@ def summarize(
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
-    from klevict_cli.session import GenerateSettings
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -270,21 +330,19 @@ def summarize(
                            probe_window=probe_window, json=json_out, working_limit=working_limit,
                            reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory)
     session, result = read_document(opts, file, reconstruct_default=False)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
-    answer = session.answer(result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, gen, result.plan.mode,
-                            seed=opts["seed"], method=result.settings.method, budget=result.plan.budget)
+    answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
+                      method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
         emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
                    "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
-    else:
-        out.print(answer["text"], markup=False)
 
 
 @app.command()
 @handle_errors
 def compress(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to write the .kvc file.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Where to write the .kvc file; - (or "
+                                               "/dev/stdout) writes it to standard output.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
     probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
@@ -292,33 +350,49 @@ def compress(
                                                     "or bfloat16 (default: the model's dtype).")] = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
-    """Read and compress a document; write the cache to a .kvc file (atomically)."""
+    """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout."""
     import torch
+
+    from klevict_cli.kvc import encode_kvc, save_kvc
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct)
     if not opts.get("output"):
-        raise UsageError("missing --output/-o: where to write the .kvc file")
+        raise UsageError("missing --output/-o: where to write the .kvc file (- for standard output)")
     output = Path(opts["output"])
-    if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
-        raise UsageError(f"-o {output} is the input document; choose another output path")
-    if output.exists() and output.is_dir():
-        raise UsageError(f"-o {output} is a directory")
+    to_stdout = is_stdout(opts["output"])
+    if to_stdout:
+        check_stdout_for_binary(opts)
+    else:
+        if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
+            raise UsageError(f"-o {output} is the input document; choose another output path")
+        check_destination(output, "-o")
     session, result = read_document(opts, file, reconstruct_default=True)
     dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
-    size = session.save(output, result, cache_dtype=dtype_)
-    summary = {"output": str(output), "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    cache = session.cache_file(result, cache_dtype=dtype_)
+    size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
+    where = STDOUT_NAME if to_stdout else str(output)
+    summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    line = (f"wrote {where}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
+            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
+            f"read in {result.seconds:.1f} s")
     if opts["json"]:
         emit_json(summary)
+    elif to_stdout:
+        note(opts, line)
     else:
-        out.print(
-            f"wrote {output}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
-            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
-            f"read in {result.seconds:.1f} s",
-            markup=False,
-        )
+        echo(line)
+
+
+def check_stdout_for_binary(opts: dict) -> None:
+    """`-o -` puts the .kvc bytes on stdout: nothing else may go there, and a terminal is no place for them."""
+    if opts["json"]:
+        raise UsageError("-o - writes the cache to standard output, where --json would go too; drop one of them")
+    if sys.stdout.isatty():
+        raise UsageError("-o - would write binary .kvc data to the terminal; redirect it (> doc.kvc) or give a"
+                         " file name")
 
 
 @app.command()
@@ -331,27 +405,37 @@ def ask(
     repetition_penalty: RepeatOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
-    from klevict_cli.session import GenerateSettings
-
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
                            quiet=quiet)
     questions = _questions(question)
+    if opts["model"] is None:
+        opts["model"] = model_of(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
+    budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
     for i, q in enumerate(questions):
-        budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
-        answer = session.answer(stream, q, gen, meta["position_mode"], seed=opts["seed"],
-                                method=meta.get("method", "none") if budget else "none", budget=budget)
+        if i and not opts["json"]:
+            echo("")
+        answer = generate(opts, session, stream, q, meta["position_mode"],
+                          method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:
             emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
                        "first_token_seconds": round(answer["first_token_seconds"], 4),
                        "seconds": round(answer["seconds"], 3)})
-        else:
-            if len(questions) > 1 and i:
-                out.print()
-            out.print(answer["text"], markup=False)
+
+
+def model_of(cache_file: Path) -> str:
+    """The model that made a cache, for when --model is not given: a packaged alias, or a folder or file that exists
+    here. A hub id is never downloaded because a file named it."""
+    from klevict_cli.kvc import read_metadata
+    from klevict_cli.models import PACKAGED_MODELS
+
+    made = read_metadata(cache_file).get("model_id", "")
+    if made in PACKAGED_MODELS or (made and Path(made).expanduser().exists()):
+        return made
+    raise ModelError(f"{cache_file}: made by model '{made}', which is neither a packaged model nor a folder or file"
+                     " here; pass --model to say which model to use")
 
 
 def _questions(question: str) -> list[str]:
@@ -378,7 +462,8 @@ def inspect(
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
 
-    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out)
+    model = model_of(cache_file) if text and not json_out else None
+    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model)
 
 
 @app.command()
@@ -386,7 +471,8 @@ def inspect(
 def bench(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods, or all (every method but "
-                                         "none, which is always measured as the reference).")] = "all",
+                                         "none, which is always measured as the reference); methods: "
+                                         f"{METHODS}.")] = "all",
     budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated budgets, each a fraction of --context "
                                          "(20%) or a token count.")] = "20%,10%,5%,2%",
     windows: Annotated[int, typer.Option("--windows", help="Document windows (and needle haystacks) to measure."
@@ -396,8 +482,10 @@ def bench(
                                               )] = 256,
     task: Annotated[str, typer.Option("--task", help="fidelity (KL, top-1, perplexity, cost), needle (retrieval "
                                       "of inserted facts) or both.")] = "fidelity",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw per-window number and the "
-                                                   "settings to this file.")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Write every raw per-window number and the "
+                                                  "settings to this JSON file.")] = None,
+    json_out: Annotated[bool | None, typer.Option("--json", help="Print those raw numbers as one JSON object on "
+                                                  "stdout instead of the tables.")] = None,
     needles: Annotated[int, typer.Option("--needles", help="Facts planted per needle haystack.")] = 4,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Tokens each needle answer may use.")] = 32,
     working: Annotated[float | None, typer.Option("--working", help="Working limit while reading, as a multiple of"
@@ -414,7 +502,7 @@ def bench(
     from klevict_cli.policies import POLICIES
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
-                           probe_window=probe_window, quiet=quiet)
+                           probe_window=probe_window, quiet=quiet, json=json_out)
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)
@@ -427,22 +515,25 @@ def bench(
         probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct,
     )
-    if json_path is not None and json_path.is_dir():
-        raise UsageError(f"--json {json_path} is a directory")
+    if out_path is not None:
+        check_destination(out_path, "--out")
     document = load_document(file)
     session = session_for(opts)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=True, disable=opts["quiet"] or not err.is_terminal) as bar:
+    with progress_bar(opts["quiet"], unit="steps") as bar:
         job = bar.add_task("bench", total=None)
         result = run_bench(session, document, settings,
-                           lambda done, total, label: bar.update(job, completed=done, total=total, description=label))
-    render(result, out)
-    if json_path is not None:
+                           lambda done, total, label: bar.update(job, completed=done, total=total,
+                                                                 description=shown(label)))
+    if opts["json"]:
+        emit_json(result)
+    else:
+        render(result, out)
+    if out_path is not None:
         try:
-            write_atomically(json_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
+            write_atomically(out_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
         except OSError as exc:
-            raise UsageError(f"--json {json_path}: cannot write it ({exc.strerror or exc})") from None
-        note(opts, f"wrote {json_path}")
+            raise OutputError(f"--out {out_path}: cannot write it ({exc.strerror or exc})") from None
+        note(opts, f"wrote {out_path}")
 
 
 def version_callback(value: bool):

@@ -21,7 +21,7 @@ from klevict_cli.errors import DocumentError
 
 STDIN_NAME = "<stdin>"
 
-# More than this share of U+FFFD after a lenient decode means the bytes are not text at all.
+# More than this share of U+FFFD after a lenient decode means the bytes are not UTF-8 text.
 MAX_REPLACEMENT_SHARE = 0.01
 
 # Vertical whitespace other than "\n": form feed (a page break) and the Unicode paragraph separator start a new
@@ -37,13 +37,14 @@ class Document:
     text: str
     name: str
     sha256: str
+    notes: tuple[str, ...] = ()  # what the user should know about how it was read (e.g. a guessed encoding)
 
 
 def load_document(source: str) -> Document:
     """Read ``source`` (a path, or ``-`` for stdin) and return its normalised text.
 
     A ``.pdf`` suffix or ``%PDF-`` content means PDF (its text layer is used, pages joined by a blank line);
-    anything else is read as UTF-8 text, see ``decode_text``. Every failure is a one-line ``DocumentError``
+    anything else is read as text, see ``decode_text``. Every failure is a one-line ``DocumentError``
     naming the file.
     """
     if source == "-":
@@ -53,13 +54,14 @@ def load_document(source: str) -> Document:
     if not data:
         raise DocumentError(f"{name}: is empty" + (" (nothing was piped in)" if name == STDIN_NAME else ""))
     is_pdf = data.startswith(b"%PDF-") or (name != STDIN_NAME and name.lower().endswith(".pdf"))
-    raw = _pdf_text(name, data) if is_pdf else decode_text(name, data)
+    raw, guessed = (_pdf_text(name, data), None) if is_pdf else decode_text(name, data)
     del data  # keep at most the text and one normalised copy alive from here on
     text = normalise(raw)
     del raw
     if not text:
         raise DocumentError(f"{name}: is empty (only whitespace)")
-    return Document(text=text, name=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
+    notes = (guessed,) if guessed else ()
+    return Document(text=text, name=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(), notes=notes)
 
 
 def normalise(text: str) -> str:
@@ -75,27 +77,57 @@ def normalise(text: str) -> str:
     return text.strip()
 
 
-def decode_text(name: str, data: bytes) -> str:
-    """Decode bytes as text, or reject them as binary.
+def decode_text(name: str, data: bytes) -> tuple[str, str | None]:
+    """Decode bytes as text, or reject them as binary; returns the text and a note when the encoding was guessed.
 
     Policy: a UTF-16 BOM means UTF-16 (what some Windows editors write). Otherwise any NUL byte means binary.
-    Valid UTF-8 is used as is, minus a BOM. Invalid UTF-8 is decoded with U+FFFD replacements and accepted only
-    if at most 1% of the characters are replacements (a stray bad byte in a long text), else it is binary.
+    Valid UTF-8 is used as is, minus a BOM. Bytes with no valid multi-byte UTF-8 sequence at all that read as
+    Windows-1252 (a superset of Latin-1's printable characters) without control characters are Windows-1252: UTF-8
+    text almost never looks like that by accident. Otherwise invalid UTF-8 is decoded with U+FFFD replacements and
+    accepted if at most 1% of the characters are replacements (a stray bad byte in a long text). Anything else is
+    refused: as text in another encoding (saying where the first bad byte is) if it is mostly ASCII text, else as
+    binary.
     """
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         try:
-            return data.decode("utf-16")
+            return data.decode("utf-16"), None
         except UnicodeDecodeError:
             raise DocumentError(f"{name}: has a UTF-16 byte order mark but is not valid UTF-16") from None
     if b"\x00" in data:
         raise DocumentError(f"{name}: looks like a binary file, not text")
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        text = data.decode("utf-8-sig", errors="replace")
-    if text.count("\ufffd") > MAX_REPLACEMENT_SHARE * len(text):
-        raise DocumentError(f"{name}: looks like a binary file, not text (it is not valid UTF-8)")
-    return text
+        return data.decode("utf-8-sig"), None
+    except UnicodeDecodeError as exc:
+        first_bad = exc.start
+    text = data.decode("utf-8-sig", errors="replace")
+    replaced = text.count("\ufffd")
+    if replaced == sum(not c.isascii() for c in text) and (latin := _windows_1252(data)) is not None:
+        return latin, f"{name} is not UTF-8; read it as Windows-1252 (Latin-1)"
+    if replaced <= MAX_REPLACEMENT_SHARE * len(text):
+        return text, None
+    if _mostly_ascii_text(data):
+        line = data.count(b"\n", 0, first_bad) + 1
+        raise DocumentError(f"{name}: is not UTF-8 (byte 0x{data[first_bad]:02x} at line {line}, offset {first_bad});"
+                            " convert it first, e.g. iconv -f ITS-ENCODING -t UTF-8")
+    raise DocumentError(f"{name}: looks like a binary file, not text (it is not valid UTF-8)")
+
+
+# Control characters a text file may hold; any other (ESC, BEL, DEL, …) in a non-UTF-8 file means binary.
+_TEXT_CONTROLS = frozenset("\t\n\r\f\v")
+
+
+def _windows_1252(data: bytes) -> str | None:
+    try:
+        text = data.decode("cp1252")
+    except UnicodeDecodeError:  # one of the five bytes Windows-1252 leaves undefined
+        return None
+    controls = any((c < " " or c == "\x7f") and c not in _TEXT_CONTROLS for c in text)
+    return None if controls else text
+
+
+def _mostly_ascii_text(data: bytes, share: float = 0.9) -> bool:
+    printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in data)
+    return printable >= share * len(data)
 
 
 def _read_file(path: Path) -> bytes:

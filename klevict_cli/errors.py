@@ -37,3 +37,9 @@ class ResourceError(KlevictError):
     """The work cannot fit the limits (context length, memory) the model or the user set."""
 
     exit_code = 6
+
+
+class OutputError(KlevictError):
+    """An output that cannot be written: a missing or read-only folder, a full disk."""
+
+    exit_code = 7

@@ -22,7 +22,8 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
-from klevict_cli.errors import CacheFileError
+from klevict_cli.display import visible
+from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.files import write_atomically
 
 FORMAT = "klevict-kvc"
@@ -123,6 +124,14 @@ def padded_from_packed(
 def save_kvc(path: Path, kvc: KvcFile) -> int:
     """Write `kvc` atomically and return its size; refuses to write a file that `load_kvc` would reject."""
     path = Path(path)
+    blob = encode_kvc(kvc, path)
+    _write_atomically(path, blob)
+    return len(blob)
+
+
+def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
+    """The bytes of the `.kvc` file for `kvc` (for a file or a stream), checked as `load_kvc` would check them;
+    `name` is only for messages."""
     tensors = _tensors_of(kvc)
     metadata = dict(kvc.metadata)
     metadata.pop("payload_sha256", None)
@@ -130,15 +139,14 @@ def save_kvc(path: Path, kvc: KvcFile) -> int:
     if kvc.layers:
         metadata.setdefault("cache_dtype", _dtype_name(kvc.layers[0].keys.dtype))
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise _error(path, "cannot save: metadata must map strings to strings")
+        raise _error(name, "cannot save: metadata must map strings to strings")
 
-    layout = {name: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
-    num_layers = _check_layout(path, metadata, layout)
-    _check_contents(path, _layers_of(tensors, num_layers), tensors["tokens"])
+    _check_metadata_values(name, metadata)
+    layout = {key: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for key, t in tensors.items()}
+    num_layers = _check_layout(name, metadata, layout)
+    _check_contents(name, _layers_of(tensors, num_layers), tensors["tokens"])
     metadata["payload_sha256"] = _payload_sha256(metadata, tensors)
-    blob = safetensors.torch.save(tensors, metadata=metadata)
-    _write_atomically(path, blob)
-    return len(blob)
+    return safetensors.torch.save(tensors, metadata=metadata)
 
 
 def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:
@@ -161,7 +169,7 @@ def _write_atomically(path: Path, blob: bytes) -> None:
     try:
         write_atomically(path, blob)
     except OSError as exc:
-        raise _error(path, f"cannot write the cache ({exc.strerror or exc})") from exc
+        raise OutputError(visible(f"{path}: cannot write the cache ({exc.strerror or exc})")) from None
 
 
 # --- loading --------------------------------------------------------------------------------------------------
@@ -178,29 +186,27 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 
 def load_kvc(
-    path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None
+    path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None,
+    vocab_size: int | None = None, using: str | None = None,
 ) -> KvcFile:
-    """Load a cache only if every check passes: layout, checksum, contents, then model identity and shapes."""
+    """Load a cache only if every check passes: layout, checksum, contents, then model identity, shapes and
+    vocabulary (a checksum only proves the file is as written, not that what was written makes sense). `using`
+    names the loading model in messages."""
     path = Path(path)
-    with _open_regular(path) as (f, _):
-        data = f.read()
-    length = _header_length(path, data[:8], len(data))
-    metadata, entries = _parse_header(path, data[8 : 8 + length], len(data) - 8 - length)
-    _check_format(path, metadata)
-    num_layers = _check_layout(path, metadata, entries)
-
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as exc:  # the checks above should leave nothing for safetensors to object to
-        raise _error(path, f"cannot decode the tensors ({_show(exc)})") from None
-    del data
-    if _payload_sha256(metadata, tensors) != metadata.get("payload_sha256"):
-        raise _error(path, "checksum mismatch: the file is corrupt or was edited")
+    with _open_regular(path) as (f, size):
+        length = _header_length(path, f.read(8), size)
+        metadata, entries = _parse_header(path, f.read(length), size - 8 - length)
+        _check_format(path, metadata)
+        _check_metadata_values(path, metadata)
+        num_layers = _check_layout(path, metadata, entries)
+        tensors = _read_tensors(path, f, 8 + length, metadata, entries)
 
     layers = _layers_of(tensors, num_layers)
     _check_contents(path, layers, tensors["tokens"])
-    _check_expected(path, metadata, expect or {})
+    _check_expected(path, metadata, expect or {}, using)
     _check_specs(path, layers, specs)
+    if vocab_size is not None:
+        check_vocabulary(path, tensors["tokens"], vocab_size)
     return KvcFile(layers=layers, tokens=tensors["tokens"], metadata=metadata)
 
 
@@ -216,6 +222,39 @@ def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
         raise _error(path, "no such file") from None
     except OSError as exc:
         raise _error(path, f"cannot read the file ({exc.strerror or exc})") from None
+
+
+def _read_tensors(
+    path: Path, f: BinaryIO, start: int, metadata: dict[str, str], entries: dict[str, _Entry]
+) -> dict[str, torch.Tensor]:
+    """Checksum the data in fixed-size blocks before allocating anything for it, so that a corrupt or hostile file,
+    however large, is refused in constant memory; then read each tensor straight into its own storage."""
+    digest = _metadata_digest(metadata)
+    for name in sorted(entries):
+        entry = entries[name]
+        _frame(digest, name, entry.dtype, entry.shape, entry.end - entry.begin)
+        f.seek(start + entry.begin)
+        for block in _blocks(path, f, entry.end - entry.begin):
+            digest.update(block)
+    if digest.hexdigest() != metadata.get("payload_sha256"):
+        raise _error(path, "checksum mismatch: the file is corrupt or was edited")
+    tensors = {}
+    for name, entry in entries.items():
+        raw = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+        f.seek(start + entry.begin)
+        if raw.numel() and f.readinto(memoryview(raw.numpy())) != raw.numel():
+            raise _error(path, "the file changed while it was read")
+        tensors[name] = raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
+    return tensors
+
+
+def _blocks(path: Path, f: BinaryIO, size: int, block: int = 1 << 20) -> Iterator[bytes]:
+    while size > 0:
+        data = f.read(min(size, block))
+        if not data:
+            raise _error(path, "the file changed while it was read")
+        size -= len(data)
+        yield data
 
 
 def _header_length(path: Path, prefix: bytes, size: int) -> int:
@@ -370,12 +409,45 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
             raise _error(path, f"layer {i}: head lengths sum to {total} but the layer holds {entries} entries")
         if entries == 0:
             continue
+        if not (torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()):
+            raise _error(path, f"layer {i}: keys or values hold NaN or infinity")
         if int(layer.positions.min()) < 0 or int(layer.positions.max()) >= tokens.numel():
             raise _error(path, f"layer {i}: positions out of range for the {tokens.numel()} streamed tokens")
         if int(layer.rope_positions.min()) < 0:
             raise _error(path, f"layer {i}: a rope position is negative")
         if not _increasing_within_heads(layer.positions, lengths):
             raise _error(path, f"layer {i}: positions are not strictly increasing within a head")
+
+
+def check_vocabulary(path: Path | str, tokens: torch.Tensor, vocab_size: int) -> None:
+    """Token ids the tokenizer cannot decode mean a cache built for another vocabulary, or a forged one."""
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
+        raise _error(path, f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab_size}")
+
+
+# Metadata that must hold a count (or "all"), and metadata that must hold a JSON object.
+_COUNT_KEYS = ("next_position", "next_rope", "prefix_tokens", "document_tokens", "chunk_size", "probe_window",
+               "budget_tokens")
+_JSON_KEYS = ("method_params", "method_state")
+
+
+def _check_metadata_values(path: Path | str, metadata: dict[str, str]) -> None:
+    """Values that code later parses: ASCII counts (int() would also take "²", "+1" or "1_0") and JSON objects."""
+    for key in _COUNT_KEYS:
+        value = metadata.get(key)
+        if value is None or (key == "budget_tokens" and value == "all"):
+            continue
+        if not (value.isascii() and value.isdigit()):
+            raise _error(path, f"metadata {key} is not a count ({_show(value)})")
+    for key in _JSON_KEYS:
+        if key not in metadata:
+            continue
+        try:
+            value = json.loads(metadata[key], parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise _error(path, f"metadata {key} is not valid JSON ({_show(exc)})") from None
+        if not isinstance(value, dict):
+            raise _error(path, f"metadata {key} is not a JSON object")
 
 
 def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -389,16 +461,20 @@ def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> 
     return bool(rising.all())
 
 
-def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]) -> None:
-    """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed."""
+def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str], using: str | None) -> None:
+    """Refuse a cache from another model or tokenizer, saying which one made it and how to proceed (`using`: the
+    id of the model loading it)."""
     wrong = {key for key, value in expect.items() if metadata.get(key) != value}
     if wrong & {"model_id", "model_config_sha256", "model_weights_sha256"}:
-        made = _show(metadata.get("model_id", "an unknown model"))
+        made = metadata.get("model_id", "an unknown model")
         what = "architecture (config)" if "model_config_sha256" in wrong else "weights"
+        if made == using:  # pointing at the same name again would not help: it now holds another model
+            raise _error(path, f"this cache was made by model {_show(made)}, whose {what} have changed since"
+                               " (another version of it?) — recompress it with the model as it is now")
         raise _error(
             path,
-            f"this cache was made by model {made}, whose {what} differ from the model you are using"
-            f" — recompress with this model or pass --model {made}",
+            f"this cache was made by model {_show(made)}, whose {what} differ from the model you are using"
+            f" — recompress with this model or pass --model {_show(made)}",
         )
     if "tokenizer_sha256" in wrong:
         made = _show(metadata.get("tokenizer_sha256", "unknown"))[:12]
@@ -437,16 +513,25 @@ def _check_specs(path: Path, layers: list[PackedLayer], specs: list[LayerSpec] |
 
 def _payload_sha256(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
     """Covers every byte that matters, so an edited budget or a flipped bit is caught rather than used."""
-    digest = hashlib.sha256()
-    rest = {key: value for key, value in metadata.items() if key != "payload_sha256"}
-    digest.update(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    digest = _metadata_digest(metadata)
     for name in sorted(tensors):
         tensor = tensors[name]
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        framing = [name, _safetensors_name(tensor.dtype), list(tensor.shape), raw.numel()]
-        digest.update(json.dumps(framing).encode() + b"\n")
+        _frame(digest, name, _safetensors_name(tensor.dtype), tensor.shape, raw.numel())
         digest.update(raw.numpy())
     return digest.hexdigest()
+
+
+def _metadata_digest(metadata: dict[str, str]):
+    digest = hashlib.sha256()
+    rest = {key: value for key, value in metadata.items() if key != "payload_sha256"}
+    digest.update(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    return digest
+
+
+def _frame(digest, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """What precedes a tensor's bytes in the checksum: its name, dtype, shape and length."""
+    digest.update(json.dumps([name, dtype, list(shape), nbytes]).encode() + b"\n")
 
 
 def _safetensors_name(dtype: torch.dtype) -> str:
@@ -467,5 +552,4 @@ def _show(value: object, limit: int = 60) -> str:
 
 def _error(path: Path, message: str) -> CacheFileError:
     """Every failure names the file and fits on one line, even if the file name or header holds a newline."""
-    text = f"{path}: {message}"
-    return CacheFileError("".join(c if c.isprintable() else repr(c)[1:-1] for c in text))
+    return CacheFileError(visible(f"{path}: {message}"))

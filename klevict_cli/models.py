@@ -29,6 +29,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from klevict_cli.errors import ModelError
+from klevict_cli.options import resolve_device, resolve_dtype
 
 
 class PackagedModel(NamedTuple):
@@ -60,13 +61,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-DTYPES: dict[str, torch.dtype | None] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "auto": None,  # float32 on CPU (fast and exact there), bfloat16 on CUDA
-}
 
 # Config keys that say how the model runs or was stored, not what it computes; leaving them out lets the same
 # model hash the same whether it came from GGUF or a folder, in any dtype. Keys starting with "_" are dropped too.
@@ -142,38 +136,6 @@ def cache_dir() -> Path:
     if xdg := os.environ.get("XDG_CACHE_HOME"):
         return Path(xdg).expanduser() / "klevict"
     return Path.home() / ".cache" / "klevict"
-
-
-# --- device and dtype -------------------------------------------------------------------------------------------
-
-
-def resolve_device(name: str) -> torch.device:
-    """Turn a device option into a torch device, refusing one this machine does not have."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise ModelError(f"unknown device '{name}' (choose cpu, cuda, cuda:N, mps or auto)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ModelError(f"device '{name}' requested but no CUDA GPU is available (use --device cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ModelError(f"device '{name}' does not exist ({torch.cuda.device_count()} CUDA GPU(s) found)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ModelError(f"device '{name}' requested but Apple MPS is not available (use --device cpu)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Turn a dtype option into a torch dtype; "auto" picks what is fast and accurate on ``device``."""
-    if name not in DTYPES:
-        raise ModelError(f"unknown dtype '{name}' (choose {', '.join(DTYPES)})")
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 # --- finding the weights ----------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ BUDGET_FORMS = (
     "a percentage (5%, 12.5%), a fraction in (0, 1] (0.05), "
     "or a token count (2048, 2k = 2048, 1.5k = 1536, 1m = 1048576)"
 )
+# Token counts and positions are int32 in a .kvc file: no count option may exceed this.
+MAX_COUNT = 2**31 - 1
 # Binary multiples, as in "a 4k context" = 4096 tokens.
 _TOKEN_SUFFIXES = {"": 1, "k": 1024, "m": 1024 * 1024}
 # Digits only: float() would also take "nan", "inf", "1e3" and "1_000".
@@ -100,6 +102,8 @@ def parse_budget(text: str) -> Budget:
         if not 0 < number <= 1:
             raise _bad_budget(text, "a number with a decimal point is a fraction and must be in (0, 1]")
         return Budget(fraction=number)
+    if number * _TOKEN_SUFFIXES[unit] > MAX_COUNT:  # also a number too long to be a float (inf)
+        raise _bad_budget(text, f"a token count must be at most {MAX_COUNT}")
     tokens = round(number * _TOKEN_SUFFIXES[unit])
     if tokens < 1:
         raise _bad_budget(text, "a token count must be at least 1")
@@ -211,12 +215,25 @@ def check_choice(name: str, value: object, choices: Collection) -> object:
     return value
 
 
-def check_positive_int(name: str, value: object, maximum: int | None = None) -> int:
+def check_positive_int(name: str, value: object, maximum: int = MAX_COUNT) -> int:
     """Reject anything but an integer in [1, maximum]; a bool is not an integer here."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"invalid --{_flag(name)} '{value}'; must be a positive integer")
-    if maximum is not None and value > maximum:
-        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be at most {maximum}")
+    return check_int_range(name, value, 1, maximum)
+
+
+def check_int_range(name: str, value: int, low: int, high: int) -> int:
+    """An integer option within [low, high]; the command line takes integers of any size."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be an integer from {low} to {high}")
+    return value
+
+
+def check_real(name: str, value: float, accepted: bool, rule: str) -> float:
+    """A number option: `accepted` is its rule written positively, so that NaN, which fails every comparison, is
+    refused with it; infinities are refused here."""
+    if not (accepted and math.isfinite(value)):
+        raise UsageError(f"invalid --{_flag(name)} {value}; it must be {rule}")
     return value
 
 
@@ -231,9 +248,10 @@ _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 def parse_size(name: str, text: str) -> int:
     """Bytes from '512M', '4G', '1.5GiB', '2000000'."""
     match = _SIZE_RE.fullmatch(str(text).strip())
-    if not match or float(match["number"]) <= 0:
+    size = float(match["number"]) * _SIZE_UNITS[match["unit"].lower()] if match else 0.0
+    if not 0 < size <= _SIZE_UNITS["t"] * 2**20:  # an exabyte: also refuses a number too long to be a float (inf)
         raise UsageError(f"invalid --{_flag(name)} '{text}'; use a size like 512M, 4G or 1.5GiB")
-    return int(float(match["number"]) * _SIZE_UNITS[match["unit"].lower()])
+    return int(size)
 
 
 def parse_working_limit(text: str | None) -> Budget | float | None:
@@ -257,3 +275,49 @@ def parse_working_limit(text: str | None) -> Budget | float | None:
     if budget is None or budget.tokens is None:
         raise UsageError(f"invalid --working-limit '{text}'; give a multiple of the budget (4x) or a count (8k)")
     return budget
+
+
+def format_size(size: int) -> str:
+    """'512 MiB', '1.50 GiB': the inverse of `parse_size`, readable at any scale (not '0.00 GiB')."""
+    for unit in ("T", "G", "M", "K"):
+        if size >= _SIZE_UNITS[unit.lower()]:
+            value = size / _SIZE_UNITS[unit.lower()]
+            return f"{value:.2f} {unit}iB" if value < 10 else f"{value:.0f} {unit}iB"
+    return f"{size} bytes"
+
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA
+
+
+def resolve_device(name: str):
+    """The torch device for --device, refusing one this machine does not have: a bad option, found before the model
+    loads."""
+    import torch  # here, so that `klevict --help` does not wait for it
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"invalid --device '{name}'; unknown device (choose cpu, cuda, cuda:N, mps or auto)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"invalid --device '{name}': no CUDA GPU is available (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"invalid --device '{name}': it does not exist ({torch.cuda.device_count()} CUDA GPU(s)"
+                             " found)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"invalid --device '{name}': Apple MPS is not available (use --device cpu)")
+    return device
+
+
+def resolve_dtype(name: str, device):
+    """The torch dtype for --dtype; "auto" picks what is fast and accurate on `device`."""
+    import torch
+
+    check_choice("dtype", name, DTYPE_CHOICES)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

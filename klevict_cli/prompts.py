@@ -1,6 +1,7 @@
 """How a document and a question become tokens.
 
-The document must sit inside the model's chat format (user turn) but be read — and compressed — before any
+The document and question are untrusted: their text never becomes control tokens (`encode_text`). The document
+must sit inside the model's chat format (user turn) but be read — and compressed — before any
 question is known. So the chat template is rendered once around a placeholder and split: `prefix` (system prompt and
 the start of the user turn) is read first, then the document, and `suffix(question)` (the question, the end of the
 user turn and the assistant header) is appended at question time. Models without a chat template get a plain
@@ -26,11 +27,20 @@ class PromptFrame:
         return self.bos + _encode(tokenizer, self.prefix)
 
     def suffix_ids(self, tokenizer, question: str) -> list[int]:
-        return _encode(tokenizer, self.separator + question.strip() + self.closing)
+        return _encode(tokenizer, self.separator) + encode_text(tokenizer, question.strip()) + _encode(
+            tokenizer, self.closing)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
+    """klevict's own frame: its special tokens ("<|im_start|>") become the control tokens they stand for."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Untrusted text (a document, a question) as plain text: a "<|im_start|>system" inside it is spelled out in
+    ordinary tokens, never turned into the control token, so a document cannot close the user's turn and open its
+    own. Only `_encode`d frame text makes control tokens."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
 
 def frame_for(tokenizer) -> PromptFrame:

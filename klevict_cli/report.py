@@ -1,7 +1,7 @@
 """`klevict inspect`: what a `.kvc` file kept, where, and how big it is.
 
 Works without loading the model (the file is validated on its own); `--text` loads only the tokenizer's model to
-decode the stored token ids and highlight the kept spans.
+decode the stored token ids and highlight the kept spans: in colour on a terminal, with ⟦…⟧ marks elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from klevict_cli.kvc import KvcFile, load_kvc
+from klevict_cli.display import visible
+from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -69,16 +70,18 @@ def describe(path: Path, kvc: KvcFile) -> dict:
 
 def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None) -> None:
     kvc = load_kvc(path)
+    # rendered first: a file the tokenizer cannot decode is refused before anything is printed
+    rendered = render_text(path, kvc, model) if text and not as_json else None
     info = describe(path, kvc)
     if as_json:
         console.file.write(json.dumps(info) + "\n")
         return
     meta = info["metadata"]
-    table = Table(title=f"{path}", show_header=False)
+    table = Table(title=Text(visible(str(path))), show_header=False)
     for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "document_tokens", "next_position",
                 "chunk_size", "cache_dtype", "source_name", "created", "klevict_version", "format_version"):
-        if key in meta:
-            table.add_row(key, meta[key])
+        if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
+            table.add_row(key, Text(visible(meta[key])))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} tokens kept by some head, "
@@ -91,19 +94,44 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     for i, counts in enumerate(info["kept_per_layer"]):
         layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
     console.print(layers)
-    if text:
-        console.print(render_text(kvc, model or meta.get("model_id")))
+    if rendered is not None and console.is_terminal:
+        console.print(LEGEND)
+        console.print(styled(rendered))
+    elif rendered is not None:
+        console.print(f"legend: {KEPT_MARKS[0]}kept by at least one KV head{KEPT_MARKS[1]}, the rest evicted by all",
+                      markup=False)
+        console.print(marked(rendered), markup=False, emoji=False)
 
 
-def render_text(kvc: KvcFile, model: str | None) -> Text:
-    """The streamed text, kept tokens highlighted by how many heads kept them."""
+KEPT_MARKS = ("⟦", "⟧")  # rarely in a document, unlike [ ]: piped output marks kept spans with them
+LEGEND = Text.assemble("legend: ", ("kept by half the KV heads or more", "bold yellow"), " · ",
+                       ("kept by fewer", "yellow"), " · ", ("evicted by all", "dim"))
+
+
+def render_text(path: Path, kvc: KvcFile, model: str | None) -> list[tuple[str, float]]:
+    """The streamed text token by token, each piece with the share of (layer, KV head) slots that kept it."""
     from klevict_cli.models import load_model
 
     tokenizer = load_model(model, quiet=True).tokenizer
+    check_vocabulary(path, kvc.tokens, len(tokenizer))
     share = kept_share(kvc).tolist()
+    return [(visible(tokenizer.decode([token]), keep="\n\t"), s) for token, s in zip(kvc.tokens.tolist(), share)]
+
+
+def styled(pieces: list[tuple[str, float]]) -> Text:
+    """For a terminal: kept tokens highlighted by how many heads kept them (see LEGEND)."""
     out = Text()
-    for token, s in zip(kvc.tokens.tolist(), share):
-        piece = tokenizer.decode([token])
-        style = "dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow")
-        out.append(piece, style=style)
+    for piece, s in pieces:
+        out.append(piece, style="dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow"))
     return out
+
+
+def marked(pieces: list[tuple[str, float]]) -> str:
+    """For a pipe or file, where colour is lost: ⟦…⟧ around each run of tokens some head kept."""
+    opened, parts = False, []
+    for piece, s in pieces:
+        if (s > 0) != opened:
+            parts.append(KEPT_MARKS[opened])
+            opened = not opened
+        parts.append(piece)
+    return "".join(parts) + (KEPT_MARKS[1] if opened else "")

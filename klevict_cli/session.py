@@ -26,7 +26,7 @@ from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
 from klevict_cli.policies import POLICIES, make_policy
 from klevict_cli.probes import Reconstruction
-from klevict_cli.prompts import frame_for, stop_ids
+from klevict_cli.prompts import encode_text, frame_for, stop_ids
 
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
 
@@ -72,6 +72,17 @@ def working_entries(working: float | Budget | None, budget: int | None) -> int |
     return working.tokens if isinstance(working, Budget) else int(working * budget)
 
 
+def no_room(question: int, next_rope: int, positions: int, mode: str) -> str:
+    """Say what is too long: the question itself, or the question after this cache (and what would shrink that)."""
+    if question >= positions:
+        return (f"the question is {question} tokens with the chat frame, more than the model's {positions} positions"
+                " on its own; shorten it")
+    shrink = "recompress with --position-mode compact" if mode == "original" else "recompress with a smaller --budget"
+    return (f"the question ({question} tokens with the chat frame) does not fit after the cache, which ends at position"
+            f" {next_rope} of the model's {positions}; shorten it to fewer than {positions - next_rope} tokens, or"
+            f" {shrink}")
+
+
 class Session:
     """A loaded model plus what every operation on it needs (adapter, prompt frame, stop tokens)."""
 
@@ -100,7 +111,7 @@ class Session:
     ) -> ReadResult:
         """Tokenise and stream `document` (inside the chat frame) with eviction; the cache ends within budget."""
         prefix = self.frame.prefix_ids(self.lm.tokenizer)
-        doc_ids = self.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+        doc_ids = encode_text(self.lm.tokenizer, document.text)
         ids = prefix + doc_ids
         budget = settings.budget.resolve(len(ids)) if settings.budget is not None else None
         if settings.method == "none":
@@ -159,18 +170,16 @@ class Session:
     # ---- answering -----------------------------------------------------------------------------------------
     def answer(
         self, stream: Stream, question: str, gen: GenerateSettings, mode: str, seed: int = 0,
-        method: str = "none", budget: int | None = None,
+        method: str = "none", budget: int | None = None, on_token: Callable[[list[int]], None] | None = None,
     ) -> dict:
         """Answer one question from `stream` (left unchanged). With `method`/`budget`, long answers are kept within
-        the budget by decode-phase eviction. Returns text, token counts and timings."""
+        the budget by decode-phase eviction. `on_token` sees the answer's tokens so far after each one (to print
+        them as they come). Returns text, token counts and timings."""
         work = stream.clone()
         suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
         room = self.adapter.max_positions - work.next_rope - len(suffix)
         if room < 1:
-            raise ResourceError(
-                f"the question ({len(suffix)} tokens) does not fit the model's {self.adapter.max_positions} positions"
-                f" after the cache (next position {work.next_rope}); recompress with a smaller budget"
-            )
+            raise ResourceError(no_room(len(suffix), work.next_rope, self.adapter.max_positions, mode))
         max_new = min(gen.max_new_tokens, room)
         # Compact mode: decode-phase eviction must leave every head short enough for the rest of the answer.
         head_cap = self.adapter.max_positions - max_new if mode == "compact" else None
@@ -185,6 +194,8 @@ class Session:
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)
+            if on_token is not None:
+                on_token(tokens)
         total = time.perf_counter() - start
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return {
@@ -211,6 +222,10 @@ class Session:
         }
 
     def save(self, path: Path, result: ReadResult, cache_dtype: torch.dtype | None = None) -> int:
+        return save_kvc(path, self.cache_file(result, cache_dtype))
+
+    def cache_file(self, result: ReadResult, cache_dtype: torch.dtype | None = None) -> KvcFile:
+        """What `save` writes, for writers other than a file (e.g. standard output)."""
         stream, settings = result.stream, result.settings
         layers = []
         for layer in stream.cache.layers:
@@ -244,11 +259,12 @@ class Session:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         tokens = torch.tensor(stream.tokens, dtype=torch.int32)
-        return save_kvc(path, KvcFile(layers=layers, tokens=tokens, metadata=meta))
+        return KvcFile(layers=layers, tokens=tokens, metadata=meta)
 
     def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""
-        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity())
+        kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity(), vocab_size=len(self.lm.tokenizer),
+                       using=self.lm.model_id)
         meta = kvc.metadata
         try:
             next_rope = int(meta["next_rope"])

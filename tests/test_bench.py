@@ -199,15 +199,32 @@ def test_cli_bench_writes_json_and_prints_tables(tiny_model_dir, tmp_path):
     doc.write_text(TEXT, encoding="utf-8")
     out = tmp_path / "bench.json"
     runner = CliRunner()
-    res = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--methods", "streaming,tova",
-                              "--budgets", "50%,10%", "--windows", "2", "--context", "150", "--continuation", "16",
-                              "--chunk-size", "64", "--json", str(out), "--quiet"])
+    args = ["bench", str(doc), "--model", str(tiny_model_dir), "--methods", "streaming,tova", "--budgets", "50%,10%",
+            "--windows", "2", "--context", "150", "--continuation", "16", "--chunk-size", "64", "--quiet"]
+    res = runner.invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 0, (res.stdout, res.stderr, res.exception)
     assert "streaming" in res.stdout and "tova" in res.stdout and "KL" in res.stdout
     data = json.loads(out.read_text())
     assert data["settings"]["methods"] == ["streaming", "tova"] and "fidelity" in data and "needle" not in data
     assert data["settings"]["model"] == str(tiny_model_dir)
+    # --json is a flag, as for every other command: the same raw numbers as one JSON object on stdout
+    printed = runner.invoke(app, [*args, "--json"])
+    assert printed.exit_code == 0, (printed.stdout, printed.stderr, printed.exception)
+    assert len(printed.stdout.splitlines()) == 1
+    again = json.loads(printed.stdout)
+    assert again["settings"] == data["settings"] and again["fidelity"]["full"].keys() == data["fidelity"]["full"].keys()
     bad = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--methods", "nope"])
     assert bad.exit_code == 2 and bad.stderr.startswith("error:")
     bad = runner.invoke(app, ["bench", str(doc), "--model", str(tiny_model_dir), "--task", "poetry"])
     assert bad.exit_code == 2 and "--task" in bad.stderr
+
+
+def test_cli_bench_checks_where_it_will_write_before_measuring(tiny_model_dir, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT, encoding="utf-8")
+    runner = CliRunner()
+    base = ["bench", str(doc), "--model", str(tiny_model_dir), "--quiet"]
+    missing = runner.invoke(app, [*base, "--out", str(tmp_path / "no-such-folder" / "bench.json")])
+    assert missing.exit_code == 7 and missing.stderr.startswith("error: --out") and "does not exist" in missing.stderr
+    folder = runner.invoke(app, [*base, "--out", str(tmp_path)])
+    assert folder.exit_code == 2 and "is a directory" in folder.stderr

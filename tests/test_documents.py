@@ -109,15 +109,35 @@ def test_mostly_invalid_utf8_is_binary(tmp_path):
     assert message.startswith(path) and "looks like a binary file, not text" in message
 
 
-def test_a_stray_invalid_byte_in_long_text_is_tolerated(tmp_path):
-    data = b"word " * 200 + b"\xff" + b" end"  # 1 bad character in ~1000
-    text = load_document(write(tmp_path, "latin.txt", data)).text
-    assert text.count("\ufffd") == 1 and text.endswith("\ufffd end")
+def test_a_stray_invalid_byte_in_long_utf8_text_is_tolerated(tmp_path):
+    data = "café ".encode() + b"word " * 200 + b"\xff" + b" end"  # UTF-8 (the é), 1 bad character in ~1000
+    text = load_document(write(tmp_path, "damaged.txt", data)).text
+    assert text.count("\ufffd") == 1 and text.endswith("\ufffd end") and text.startswith("café")
 
 
-def test_just_over_one_percent_invalid_is_binary(tmp_path):
-    data = b"a" * 97 + b"\xff\xff"  # 2 of 99 characters
-    assert "binary" in error_of(write(tmp_path, "x.txt", data))
+def test_just_over_one_percent_invalid_is_refused_saying_where(tmp_path):
+    data = "café\n".encode() + b"a" * 92 + b"\xff\xff"  # UTF-8 with 2 bad of ~99 characters
+    message = error_of(write(tmp_path, "x.txt", data))
+    assert "is not UTF-8 (byte 0xff at line 2, offset 98)" in message and "iconv" in message
+
+
+@pytest.mark.parametrize("encoding", ["cp1252", "latin-1"])
+def test_windows_1252_and_latin1_text_is_decoded(tmp_path, encoding):
+    text = "Grüße aus Köln: café, crème brûlée, naïveté, 5 ½ £."
+    if encoding == "cp1252":
+        text += " “quoted” – 5 €"  # the characters Windows-1252 adds to Latin-1
+    document = load_document(write(tmp_path, "old.txt", text.encode(encoding)))
+    assert document.text == text
+    assert document.notes == (f"{tmp_path / 'old.txt'} is not UTF-8; read it as Windows-1252 (Latin-1)",)
+
+
+def test_an_ascii_text_with_one_high_byte_is_windows_1252(tmp_path):
+    document = load_document(write(tmp_path, "one.txt", b"word " * 200 + b"\xe9 end"))
+    assert document.text.endswith("é end") and document.notes
+
+
+def test_control_characters_are_not_windows_1252_text(tmp_path):
+    assert "binary" in error_of(write(tmp_path, "x.bin", bytes([0x1B, 0x07, 0xE9, 0x7F, 0xC8]) * 50))
 
 
 # --- normalisation ---------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The .kvc file must round-trip exactly and turn every kind of damage into a one-line CacheFileError."""
 
+import json
 import os
 import random
+import stat
 import struct
+import tracemalloc
 
 import pytest
 import safetensors.torch
@@ -11,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from klevict_cli import kvc
-from klevict_cli.errors import CacheFileError
+from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.kvc import KvcFile, LayerSpec, PackedLayer, load_kvc, read_metadata, save_kvc
 
 TOKENS = 40
@@ -172,9 +175,19 @@ def test_interrupted_write_keeps_old_file_and_no_temp(saved, monkeypatch, target
     assert sorted(p.name for p in path.parent.iterdir()) == ["doc.kvc"]
 
 
-def test_unwritable_destination_is_a_cache_error(tmp_path):
-    with pytest.raises(CacheFileError, match="cannot write"):
+def test_unwritable_destination_is_an_output_error(tmp_path):
+    with pytest.raises(OutputError, match="cannot write") as info:
         save_kvc(tmp_path / "missing-dir" / "x.kvc", make_kvc())
+    assert info.value.exit_code == 7  # the file was never bad: the place to put it is
+
+
+def test_save_never_replaces_a_fifo_or_device(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="not a regular file"):
+        save_kvc(fifo, make_kvc())
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
 
 
 def test_save_refuses_an_inconsistent_cache(tmp_path):
@@ -248,6 +261,43 @@ def test_giant_header_length(tmp_path):
     path = tmp_path / "g.kvc"
     path.write_bytes(struct.pack("<Q", 2**40) + b"{}" * 100)
     rejects(path, "header too large")
+
+
+def peak_python_memory(fn) -> int:
+    """Peak bytes Python allocated while `fn` ran (a whole-file read would show as one huge bytes object)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+BIG = 128 * 2**20  # sparse: no disk is spent on it
+
+
+def test_a_huge_junk_file_is_refused_in_constant_memory(tmp_path):
+    path = tmp_path / "junk.kvc"
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", 20) + b"this is not JSON....")
+        f.truncate(BIG)
+    peak = peak_python_memory(lambda: rejects(path, "not valid JSON"))
+    assert peak < 8 * 2**20, peak
+
+
+def test_a_huge_file_with_a_plausible_header_is_refused_in_constant_memory(tmp_path):
+    """The header tiles the data exactly, so only the checksum can tell: it must be taken without loading the data."""
+    path = tmp_path / "big.kvc"
+    count = BIG // 4
+    header = json.dumps({
+        "__metadata__": {"format": "klevict-kvc", "format_version": "1", "num_layers": "0", "payload_sha256": "0"},
+        "tokens": {"dtype": "I32", "shape": [count], "data_offsets": [0, 4 * count]},
+    }).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 4 * count)
+    peak = peak_python_memory(lambda: rejects(path, "checksum mismatch"))
+    assert peak < 8 * 2**20, peak
 
 
 @pytest.mark.parametrize("header", [b'{"__metadata__": {', b"[1, 2]", b'{"a": NaN}', b"\xff\xfe{}"])
@@ -335,6 +385,36 @@ def test_negative_rope_position(tmp_path):
     tensors["layers.1.rope_positions"][0] = -3
     write_raw(tmp_path / "r.kvc", tensors, metadata)
     rejects(tmp_path / "r.kvc", "rope position is negative")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("field", ["keys", "values"])
+def test_nan_or_infinite_keys_and_values_are_refused_even_with_a_valid_checksum(tmp_path, field, value):
+    tensors, metadata = raw_parts_of_new(tmp_path)
+    tensors[f"layers.1.{field}"][2, 3] = value
+    write_raw(tmp_path / "n.kvc", tensors, metadata)
+    rejects(tmp_path / "n.kvc", "layer 1: keys or values hold NaN or infinity")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(saved):
+    path, original = saved
+    top = int(original.tokens.max())
+    assert load_kvc(path, vocab_size=top + 1)
+    rejects(path, f"token id {top} is outside the model's vocabulary of {top}", vocab_size=top)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("method_params", "{not json", "metadata method_params is not valid JSON"),
+     ("method_params", "[1, 2]", "metadata method_params is not a JSON object"),
+     ("method_state", '{"a": NaN}', "metadata method_state is not valid JSON"),
+     ("next_rope", "\u00b2", "metadata next_rope is not a count"),
+     ("budget_tokens", "+64", "metadata budget_tokens is not a count")],
+)
+def test_metadata_that_code_parses_must_parse(tmp_path, key, value, message):
+    tensors, metadata = raw_parts_of_new(tmp_path)
+    write_raw(tmp_path / "m.kvc", tensors, {**metadata, key: value})
+    rejects(tmp_path / "m.kvc", message)
 
 
 def test_cache_from_another_model(saved):

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from klevict_cli import models
-from klevict_cli.errors import ModelError
+from klevict_cli.errors import ModelError, UsageError
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s>{% endfor %}"
@@ -209,20 +209,20 @@ def test_broken_gguf_is_a_model_error(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no half-built folder left behind
 
 
-def test_bad_dtype_lists_choices(tiny_folder):
-    with pytest.raises(ModelError, match="float32, bfloat16, float16, auto"):
+def test_bad_dtype_lists_choices(tiny_folder):  # a bad option (exit 2), not a model that cannot load
+    with pytest.raises(UsageError, match="float32, bfloat16, float16, auto"):
         models.load_model(str(tiny_folder), dtype="fp8")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_cuda_without_gpu(monkeypatch, tiny_folder, device):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ModelError, match="no CUDA GPU"):
+    with pytest.raises(UsageError, match="no CUDA GPU"):
         models.load_model(str(tiny_folder), device=device)
 
 
 def test_unknown_device(tiny_folder):
-    with pytest.raises(ModelError, match="unknown device 'tpu'"):
+    with pytest.raises(UsageError, match="unknown device"):
         models.load_model(str(tiny_folder), device="tpu")
 
 

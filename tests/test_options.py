@@ -7,10 +7,14 @@ from klevict_cli.options import (
     OPTION_TYPES,
     Budget,
     check_choice,
+    check_int_range,
     check_positive_int,
+    check_real,
     load_config,
     merge_options,
     parse_budget,
+    format_size,
+    parse_size,
 )
 
 # --- budgets ---------------------------------------------------------------------------------------------------
@@ -49,7 +53,8 @@ def test_budget_accepted(text, budget, canonical):
 @pytest.mark.parametrize(
     "text",
     ["", " ", "abc", "0", "0%", "0.0", "-5%", "-5", "150%", "100.1%", "1.5", "2.0", "nan", "inf", "-inf", "1e3",
-     "1_000", "5%%", "k", "%", "0k", "0.0001k", "5 percent", "2kb", "1.5.2", "0x10"],
+     "1_000", "5%%", "k", "%", "0k", "0.0001k", "5 percent", "2kb", "1.5.2", "0x10", "3000000000", "9999999k",
+     "9" * 400, "9" * 400 + "k", "9" * 400 + "%"],
 )
 def test_budget_rejected(text):
     with pytest.raises(UsageError) as info:
@@ -283,5 +288,39 @@ def test_positive_int_rejected(value):
 
 def test_positive_int_maximum():
     assert check_positive_int("seed", 10**9) == 10**9
-    with pytest.raises(UsageError, match="invalid --chunk-size '513'; must be at most 512"):
+    with pytest.raises(UsageError, match="invalid --chunk-size '513'; must be an integer from 1 to 512"):
         check_positive_int("chunk_size", 513, maximum=512)
+
+
+@pytest.mark.parametrize("text", ["0", "lots", "-1G", "9" * 400, "9" * 400 + "G", "99999999T"])
+def test_size_rejected(text):
+    with pytest.raises(UsageError, match="--max-memory"):
+        parse_size("max_memory", text)
+
+
+def test_size_accepted():
+    assert parse_size("max_memory", "1.5GiB") == 3 * 2**29
+    assert parse_size("max_memory", "2000000") == 2_000_000
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accepted"),
+    [("top_p", float("nan"), True), ("top_p", float("inf"), True), ("temperature", float("-inf"), True)],
+)
+def test_real_options_refuse_nan_and_infinity_whatever_the_rule_says(name, value, accepted):
+    with pytest.raises(UsageError, match=f"--{name.replace('_', '-')}"):
+        check_real(name, value, accepted, "finite")
+
+
+def test_int_range():
+    assert check_int_range("seed", 2**64 - 1, 0, 2**64 - 1) == 2**64 - 1
+    for bad in (2**64, -1, True, 1.0):
+        with pytest.raises(UsageError, match="--seed"):
+            check_int_range("seed", bad, 0, 2**64 - 1)
+
+
+@pytest.mark.parametrize(("size", "shown"), [(512, "512 bytes"), (2**20, "1.00 MiB"), (3 * 2**29, "1.50 GiB"),
+                                             (300 * 2**20, "300 MiB"), (5 * 2**40, "5.00 TiB")])
+def test_format_size(size, shown):
+    assert format_size(size) == shown
+    assert parse_size("max_memory", shown.replace(" bytes", "")) == size

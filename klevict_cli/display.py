@@ -1,0 +1,69 @@
+"""Text from files, paths and the model, made safe to print on a terminal; answers streamed, progress counted.
+
+A `.kvc` header, a file name, a document or a generated answer may hold escape sequences (ESC[…m recolours,
+ESC]0;… retitles the window, OSC 8 plants links) or rich markup (`[link=…]`). Printed raw they would drive the
+user's terminal, so `visible` shows every control character as a Python-style escape (`\\x1b`), and such text
+reaches rich only as `Text` objects, which are never parsed as markup.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rich.markup import escape
+from rich.progress import ProgressColumn
+from rich.text import Text
+
+
+def visible(text: str, keep: str = "") -> str:
+    """`text` with each non-printable character except those in `keep` (e.g. "\\n") shown as an escape."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+def shown(name: str) -> str:
+    """A file name inside rich markup (e.g. a progress description): control characters and markup shown."""
+    return escape(visible(name))
+
+
+def json_text(payload: object) -> str:
+    """One line of JSON with non-ASCII text kept readable but every non-printable character escaped (json.dumps
+    leaves DEL, the C1 controls such as the one-byte CSI, and bidi overrides raw)."""
+    text = json.dumps(payload, ensure_ascii=False)
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
+class TextStream:
+    """An answer's text, released piece by piece as its tokens arrive, so that it can be printed while it is written.
+
+    What is released always adds up to the final, stripped answer: leading and trailing whitespace is held back, and
+    so is a trailing U+FFFD (the first bytes of a character whose other bytes are still to come).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.shown = ""
+
+    def update(self, tokens: list[int]) -> str:
+        """The new text since the last call."""
+        ready = self.tokenizer.decode(tokens, skip_special_tokens=True).strip().removesuffix("\ufffd")
+        if not ready.startswith(self.shown):  # the tokenizer re-spaced earlier text: wait for `finish`
+            return ""
+        new, self.shown = ready[len(self.shown):], ready
+        return new
+
+    def finish(self, text: str) -> str:
+        """What is left of the final `text`; the whole of it again, on a new line, if the pieces went astray."""
+        return text[len(self.shown):] if text.startswith(self.shown) else "\n" + text
+
+
+class Count(ProgressColumn):
+    """'1,200/4,096 tokens' once the total is known, '12 tokens' while it is not (never '0/?')."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        if task.total is not None:
+            return Text(f"{int(task.completed):,}/{int(task.total):,} {self.unit}")
+        return Text(f"{int(task.completed):,} {self.unit}" if task.completed else "")
