@@ -10,11 +10,13 @@ family is a small subclass holding only what really differs, chosen by `config.m
 
 | family | adapter | differs in |
 |---|---|---|
-| Gemma 3 | `Gemma3Adapter` | local/global RoPE bases per layer type; final logit soft-capping |
+| Gemma 3 | `Gemma3Adapter` | local/global RoPE bases per layer type; a norm on the attention output; soft-capping |
 | GPT-2 | `GPT2Adapter` | layout (`transformer.h[i].attn.c_proj`, `ln_f`), Conv1D weights, absolute positions |
 | OPT | `OPTAdapter` | layout (`model.decoder.layers[i].self_attn.out_proj`, `final_layer_norm`), absolute positions |
 | GPT-NeoX | `GPTNeoXAdapter` | layout (`gpt_neox.layers[i].attention.dense`, `final_layer_norm`), partial rotary |
 | DeepSeek-V2/V3 | `MLAAdapter` | the cache holds the compressed latent; interleaved RoPE (V2) |
+
+Any other `model_type` gets the Llama-style adapter only after `self_check` shows that it fits the model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.kl import through_norm
 from klevict_cli.errors import ModelError, ResourceError
 
 
@@ -174,6 +177,25 @@ class ModelAdapter:
         the logits are the unembedding's output unchanged."""
         return None
 
+    def post_attention_norm(self, layer_idx: int) -> nn.Module | None:
+        """The norm a layer applies to its attention output before adding it to the residual stream (Gemma 2/3,
+        OLMo 2), or None when the output is added as it is."""
+        return None
+
+    def to_attention_output(self, layer_idx: int, factors: torch.Tensor, head_outputs: torch.Tensor) -> torch.Tensor:
+        """Residual-stream readout factors (W, R, d) as factors on layer `layer_idx`'s attention output y = W_O·o,
+        given the probes' head outputs (Hq, W, Dv). A norm between y and the residual add moves the residual by
+        J_norm(y)·Δy, whose 1/rms(y) differs per probe and whose γ differs per dimension: no per-head calibration
+        can absorb that, so the factors are pulled back through the norm's Jacobian at each probe's y."""
+        norm = self.post_attention_norm(layer_idx)
+        if norm is None:
+            return factors
+        projection = self.output_projection(layer_idx)
+        y = head_outputs.transpose(0, 1).flatten(1) @ projection.weight.T
+        if getattr(projection, "bias", None) is not None:
+            y = y + projection.bias
+        return through_norm(norm, y, factors)
+
     # ---- what policies read -------------------------------------------------------------------------------
     def scoring_view(self, cache):
         """The cache as eviction policies should read it: per layer, `values` are the values each (query or KV)
@@ -183,12 +205,16 @@ class ModelAdapter:
 
 class Gemma3Adapter(ModelAdapter):
     """Gemma 3 (text): MQA/GQA + RoPE like Llama; sliding layers (from `layer_types`) use the local RoPE base,
-    global layers the global one; the (1+γ) RMSNorm and the embedding scale live inside the modules. Optional final
-    logit soft-capping `cap·tanh(z/cap)`."""
+    global layers the global one; the (1+γ) RMSNorm and the embedding scale live inside the modules. The attention
+    output is normalised (`post_attention_layernorm`) before the residual add. Optional final logit soft-capping
+    `cap·tanh(z/cap)`."""
 
     def inv_freq(self, layer_idx: int) -> tuple[torch.Tensor, float]:
         rotary, kind = self.rotary_embedding, self.layer_types()[layer_idx]
         return getattr(rotary, f"{kind}_inv_freq"), float(getattr(rotary, f"{kind}_attention_scaling", 1.0))
+
+    def post_attention_norm(self, layer_idx: int) -> nn.Module:
+        return self.layers[layer_idx].post_attention_layernorm
 
     def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
         cap = getattr(self.config, "final_logit_softcapping", None)

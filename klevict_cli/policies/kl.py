@@ -95,7 +95,8 @@ class KL(Policy):
         out = {}
         for i in layer_ids:
             probe, layer = step.probes[i], step.cache.layers[i]
-            readout = to_head_space(factors, adapter.output_projection(i).weight, probe.output.shape[0])
+            readout = to_head_space(adapter.to_attention_output(i, factors, probe.output),
+                                    adapter.output_projection(i).weight, probe.output.shape[0])
             out[i] = kl_scores(probe.weights, probe.output, layer.values, readout, layer.keys.shape[0])
         return out
 
