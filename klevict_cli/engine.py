@@ -187,10 +187,13 @@ class Engine:
         return max(1, min(self.probe_window, chunk_len, limit))
 
     def _scored_layers(self, stream: Stream) -> dict:
-        return {i: layer for i, layer in enumerate(stream.cache.layers) if layer.window is None}
+        """The global layers; if every layer slides (Mistral-style `sliding_window` without `layer_types`), all of
+        them: the window is then only an upper bound on what a layer holds, and the budget must still apply."""
+        layers = dict(enumerate(stream.cache.layers))
+        return {i: layer for i, layer in layers.items() if layer.window is None} or layers
 
     def held_per_head(self, stream: Stream) -> float:
-        """Entries held per KV head, on average over the scored (non-sliding) layers."""
+        """Entries held per KV head, on average over the scored layers (`_scored_layers`)."""
         layers = self._scored_layers(stream).values()
         heads = sum(layer.keys.shape[0] for layer in layers)
         return sum(int(layer.valid.sum()) for layer in layers) / max(heads, 1)

@@ -182,6 +182,24 @@ def test_sliding_layers_keep_their_window_and_the_budget_counts_global_layers():
     assert engine.held_per_head(stream) == 30
 
 
+@pytest.mark.parametrize("window", [24, 4096])  # shorter than the document, and MistralConfig's default
+def test_a_model_whose_every_layer_slides_still_keeps_to_the_budget(window):
+    """A Mistral-style config with `sliding_window` and no `layer_types` makes every layer a sliding one. With no
+    global layer to spend the budget on, the window is only an upper bound: every layer is scored and the budget
+    holds; and eviction is still exactly masking the evicted entries."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=window)).eval()
+    adapter = adapter_for(model)
+    assert {s.window for s in adapter.layer_shapes()} == {window}
+    ids = torch.randint(0, VOCAB, (80,)).tolist()
+    engine = Engine(model, adapter, make_policy("kl"), budget=12, chunk_size=16, probe_window=4)
+    got, expected, stream = eviction_vs_masking(model, engine, ids, chunk_size=16)
+    assert (got - expected).abs().max().item() <= 1e-4
+    heads = sum(layer.keys.shape[0] for layer in stream.cache.layers)
+    assert sum(int(layer.valid.sum()) for layer in stream.cache.layers) <= (12 + 1) * heads  # + the last token
+    assert all(layer.positions[layer.valid].min() > 80 - window for layer in stream.cache.layers)  # window holds
+
+
 def _round_trip(adapter, stream: Stream, path) -> Stream:
     layers = [packed_from_padded(layer.keys, layer.values, layer.positions, layer.rope_positions, layer.valid)
               for layer in stream.cache.layers]
