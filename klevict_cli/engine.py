@@ -232,18 +232,20 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False, drafts: int = 0,
+        final: bool = False, drafts: int = 0, keep: range = range(0),
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
-        by policy score; the `recent` last tokens are always kept. With `drafts`, the stream ends in that many
-        sampled tokens that are the probes (`ctx`, `logits` are theirs) and are forgotten once the choice is made."""
+        by policy score; the `recent` last tokens and the positions in `keep` are always kept. With `drafts`, the
+        stream ends in that many sampled tokens that are the probes (`ctx`, `logits` are theirs) and are forgotten
+        once the choice is made."""
         budget = self.budget if budget is None else budget
         w = min(recent, stream.next_position - drafts)
         step = self.eviction_step(stream, ctx, logits, drafts or w, final)
         scored = self._scored_layers(stream)
         if budget is not None and scored:
             held = w + drafts  # the drafts are held through the choice (each head, on top of its budget), then dropped
-            protect = {i: layer.positions >= stream.next_position - held for i, layer in scored.items()}
+            protect = {i: (layer.positions >= stream.next_position - held)
+                       | ((layer.positions >= keep.start) & (layer.positions < keep.stop)) for i, layer in scored.items()}
             scores = self.policy.score_layers(step, list(scored))
             if self.policy.allocation == "global":
                 masks = select_global(scored, scores, budget + drafts, protect, min_per_head=held,
@@ -346,6 +348,7 @@ class Engine:
         is re-compressed whenever generation has grown it by `slack` entries per head beyond the budget (or beyond
         what the prompt left, if more), with the latest tokens as probes."""
         logits = self.feed(stream, prompt_ids, evict=False)
+        prompt = range(stream.next_position - len(prompt_ids), stream.next_position)
         limit = None if self.budget is None else max(self.budget, math.ceil(self.held_per_head(stream)))
         answer: list[int] = []
         for i in range(max_new_tokens):
@@ -360,7 +363,7 @@ class Engine:
             if limit is not None and self.held_per_head(stream) > limit + slack:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
-                self.evict(stream, ctx, probe_logits, recent, budget=limit)
+                self.evict(stream, ctx, probe_logits, recent, budget=limit, keep=prompt)
 
 
 def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, window: int = 64) -> torch.Tensor:
