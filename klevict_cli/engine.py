@@ -245,7 +245,8 @@ class Engine:
         if budget is not None and scored:
             held = w + drafts  # the drafts are held through the choice (each head, on top of its budget), then dropped
             protect = {i: (layer.positions >= stream.next_position - held)
-                       | ((layer.positions >= keep.start) & (layer.positions < keep.stop)) for i, layer in scored.items()}
+                       | ((layer.positions >= keep.start) & (layer.positions < keep.stop))
+                       for i, layer in scored.items()}
             scores = self.policy.score_layers(step, list(scored))
             if self.policy.allocation == "global":
                 masks = select_global(scored, scores, budget + drafts, protect, min_per_head=held,
