@@ -13,10 +13,16 @@ import json
 import pytest
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -25,8 +31,12 @@ from transformers import (
     GPTNeoXForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -47,11 +57,12 @@ from klevict_cli.adapters import (
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.cli import app
 from klevict_cli.engine import Engine, Stream
-from klevict_cli.errors import ResourceError
+from klevict_cli.errors import ModelError, ResourceError
 from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
 from klevict_cli.oracle import float64_copy, leave_one_out_kl
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
+from tests.conftest import tiny_llama
 from tests.reference import eviction_vs_masking
 from klevict_cli.oracle import spearman
 
@@ -310,6 +321,57 @@ def test_rerotation_moves_keys_to_where_the_model_puts_them(family):
         assert not torch.allclose(getattr(at_0, adapter.rotary_slot), getattr(at_700, adapter.rotary_slot))
         assert torch.allclose(moved.keys, at_700.keys, atol=1e-4), (name, idx)
         assert torch.allclose(moved.values, at_700.values, atol=1e-4), (name, idx)
+
+
+UNKNOWN = dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+
+
+def test_an_unknown_llama_style_family_is_accepted_after_its_self_check():
+    """Phi-3 has no adapter of its own: it passes the self-check (the Llama layout fits it) and then reads exactly."""
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(**UNKNOWN)).eval()
+    adapter = adapter_for(model)
+    assert type(adapter) is ModelAdapter
+    ids = torch.randint(0, VOCAB, (40,)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+    engine = Engine(model, adapter, make_policy("kl"), budget=None, chunk_size=16)
+    assert (engine.feed(engine.new_stream(), ids) - expected).abs().max().item() <= 1e-4
+
+
+def _mystery_llama():
+    """A Llama under a family name klevict does not know, with a `sliding_window` its modules ignore but the
+    Llama-style adapter believes: klevict would read a window the model never applies."""
+    model = tiny_llama()
+    model.config.model_type, model.config.sliding_window = "mystery", 4
+    return model
+
+
+@pytest.mark.parametrize("build_model,reason", [
+    (lambda: Olmo2ForCausalLM(Olmo2Config(**UNKNOWN)), "attention output to the residual stream"),  # normed after
+    (lambda: CohereForCausalLM(CohereConfig(**UNKNOWN)), "attention output to the residual stream"),  # parallel MLP
+    (lambda: Ernie4_5ForCausalLM(Ernie4_5Config(**UNKNOWN)), "re-rotation"),  # interleaved RoPE pairs
+    (_mystery_llama, "does not give the model's own logits"),
+    (lambda: Gemma2ForCausalLM(Gemma2Config(**UNKNOWN, head_dim=16)), "soft-caps attention logits"),
+], ids=["olmo2", "cohere", "ernie4_5", "mystery", "gemma2"])
+def test_an_unknown_family_the_llama_adapter_does_not_fit_is_refused(build_model, reason):
+    torch.manual_seed(0)
+    model = build_model().eval()
+    with pytest.raises(ModelError, match=f"unsupported model architecture '{model.config.model_type}' .*{reason}"
+                       r".*supports llama, mistral, qwen2, qwen3, gemma3_text, gpt2, gpt_neox, opt, deepseek_v2"):
+        adapter_for(model)
+
+
+def test_an_unknown_family_that_fails_its_self_check_exits_5(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    folder = tmp_path / "olmo2"
+    Olmo2ForCausalLM(Olmo2Config(**UNKNOWN)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    document = tmp_path / "doc.txt"
+    document.write_text("The quick brown fox jumps over the lazy dog. " * 10)
+    result = CliRunner().invoke(app, ["summarize", str(document), "--model", str(folder), "--budget", "20",
+                                      "--max-new-tokens", "4", "--quiet"])
+    assert result.exit_code == 5 and "unsupported model architecture 'olmo2'" in result.stderr
 
 
 def test_compact_mode_is_refused_for_absolute_positions(tmp_path, tokenizer):
