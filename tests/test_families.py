@@ -243,8 +243,10 @@ def test_kvc_round_trip_answers_exactly_like_the_live_cache(family, tmp_path):
     assert torch.equal(live, again)
 
 
-def test_the_fisher_estimator_ranks_like_the_float64_oracle(family):
-    """KL(propagation="fisher") against the true leave-one-out KL on sampled entries of every scored layer."""
+@pytest.fixture(scope="module")
+def oracle(family):
+    """A read of 60 tokens, 12 probes recorded after it, and the true leave-one-out KL of every entry before the
+    probes in every scored layer: per layer, the (layer, head, column) entries and their KL."""
     name, model, adapter = family
     torch.manual_seed(3)
     probes = 12
@@ -254,20 +256,51 @@ def test_the_fisher_estimator_ranks_like_the_float64_oracle(family):
     engine.feed(stream, ids[:-probes])
     logits, ctx = engine.forward(stream, ids[-probes:], probe_rows=probes)
     step = engine.eviction_step(stream, ctx, logits, probes)
-    layers = scored_layers(adapter)
-    scores = KL(propagation="fisher", samples=256).fisher_scores(step, layers)
     model64 = float64_copy(model)
-    generator = torch.Generator().manual_seed(0)
-    for layer_idx in layers:
-        layer = stream.cache.layers[layer_idx]
-        heads, columns = layer.keys.shape[0], layer.capacity - probes
-        picks = torch.randperm(heads * columns, generator=generator, device="cpu")[:24].tolist()
-        entries = [(layer_idx, p // columns, p % columns) for p in picks]
-        truth = leave_one_out_kl(model64, stream, probes, entries)
-        estimate = torch.stack([scores[layer_idx][h, c] for _, h, c in entries])
-        rho = spearman(estimate, truth)
-        assert rho >= 0.9, (name, layer_idx, rho)
-        assert 0.7 <= float(estimate.sum() / truth.sum()) <= 1.4, (name, layer_idx)  # magnitudes in nats
+    truth = {}
+    for i in scored_layers(adapter):
+        layer = stream.cache.layers[i]
+        entries = [(i, h, c) for h in range(layer.keys.shape[0]) for c in range(layer.capacity - probes)]
+        truth[i] = (entries, leave_one_out_kl(model64, stream, probes, entries))
+    return name, step, truth
+
+
+def _against_the_oracle(scores: dict[int, torch.Tensor], truth: dict) -> tuple[dict, dict, float]:
+    """Per layer, Spearman and estimate/truth in sum; and Spearman over every layer's entries pooled (what global
+    allocation ranks)."""
+    estimates = {i: torch.stack([scores[i][h, c] for _, h, c in entries]) for i, (entries, _) in truth.items()}
+    rho = {i: spearman(estimates[i], kl) for i, (_, kl) in truth.items()}
+    ratio = {i: float(estimates[i].sum() / kl.sum()) for i, (_, kl) in truth.items()}
+    pooled = spearman(torch.cat(list(estimates.values())), torch.cat([kl for _, kl in truth.values()]))
+    return rho, ratio, pooled
+
+
+def test_the_fisher_estimator_ranks_like_the_float64_oracle(oracle):
+    """KL(propagation="fisher") against the true leave-one-out KL on every entry of every scored layer."""
+    name, step, truth = oracle
+    step.generator.manual_seed(0)
+    scores = KL(propagation="fisher", samples=256).fisher_scores(step, list(truth))
+    rho, ratio, _ = _against_the_oracle(scores, truth)
+    for i in truth:
+        assert rho[i] >= 0.9, (name, i, rho[i])
+        assert 0.7 <= ratio[i] <= 1.4, (name, i, ratio[i])  # magnitudes in nats
+
+
+def test_the_default_kl_scores_rank_like_the_float64_oracle(oracle):
+    """What `--method kl` evicts by: the direct path at today's defaults (top-64 tokens, rank 4), calibrated per KV
+    head by 2 live Fisher samples, allocated globally. Thresholds: chance is 0 ± 0.09 over these ≥ 60 entries per
+    layer, so ≥ 0.55 per layer and ≥ 0.5 pooled are ≥ 6σ above it; measured .63-.96 per layer and .55-.96 pooled
+    (seed 3). The tiny models cap it, not the estimator: their flat 300-token distributions are what top-64/rank-4
+    truncates, and in two layers the later one, which the direct path ignores, is half the model (SmolLM2 reaches
+    .92-.97: README, oracle table). Calibration must bring magnitudes within ×3 of the truth (measured ×0.40-1.14;
+    uncalibrated, SmolLM2's layers spread over ×0.03-1.5)."""
+    name, step, truth = oracle
+    step.generator.manual_seed(0)
+    rho, ratio, pooled = _against_the_oracle(KL().score_layers(step, list(truth)), truth)
+    for i in truth:
+        assert rho[i] >= 0.55, (name, i, rho[i])
+        assert 1 / 3 <= ratio[i] <= 3, (name, i, ratio[i])
+    assert pooled >= 0.5, (name, pooled)
 
 
 def test_gemma3_direct_path_reads_through_the_post_attention_norm():
