@@ -39,7 +39,8 @@ from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget
 from klevict_cli.policies import make_policy
-from klevict_cli.prompts import bos_ids
+from klevict_cli.display import shown
+from klevict_cli.prompts import bos_ids, encode_text
 
 TASKS = ("fidelity", "needle", "recall", "both", "all")  # both: fidelity + needle; all: the three
 Z95 = 1.96  # normal approximation for the 95 % interval of a mean over windows
@@ -77,6 +78,8 @@ class Fact:
     sentence: str = field(init=False)
     question: str = field(init=False)
 
+    start: str = field(init=False, default="")  # how the answer begins (given, not generated)
+
     def __post_init__(self) -> None:
         self.sentence = f"The secret code of the {self.adjective} {self.animal} is {self.number}."
         self.question = f"What is the secret code of the {self.adjective} {self.animal}? Answer with the number only."
@@ -88,16 +91,19 @@ class Fact:
 
 @dataclass
 class Recall:
-    """A detail the text states once: `expected` (a name or number) in `sentence`, asked by its first words."""
+    """A detail the text states once: `expected` (a name or number) in `sentence`. The model is asked to quote the
+    sentence and its answer starts with the words before the detail (the last 20): it must find the rest in the
+    cache. (Asked to "continue this sentence", the default model mostly restated the instruction.)"""
 
     sentence: str
     expected: str
     depth: float
-    question: str = field(init=False)
+    question: str = field(init=False, default="Quote, word for word, the sentence of the text above that this answer"
+                                               " starts.")
+    start: str = field(init=False)
 
     def __post_init__(self) -> None:
-        start = " ".join(self.sentence[: self.sentence.index(self.expected)].split()[-20:])  # its last 20 words
-        self.question = f'Continue this sentence from the text above: "{start}'
+        self.start = '"' + " ".join(self.sentence[: self.sentence.index(self.expected)].split()[-20:])
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
@@ -328,11 +334,11 @@ def build_haystack(session, doc_ids: list[int], settings: BenchSettings, rng: ra
     tok = session.lm.tokenizer
     prefix = session.frame.prefix_ids(tok)
     facts = make_facts(rng, settings.needles)
-    fact_tokens = sum(len(tok(" " + f.sentence, add_special_tokens=False)["input_ids"]) for f in facts)
+    fact_tokens = sum(len(encode_text(tok, " " + f.sentence)) for f in facts)
     body = max(1, settings.context - len(prefix) - fact_tokens)
     offset = draw_offsets(len(doc_ids), body, 1, rng)[0]
     text = insert_facts(tok.decode(doc_ids[offset : offset + body]), facts, rng)
-    ids = prefix + tok(text, add_special_tokens=False)["input_ids"]
+    ids = prefix + encode_text(tok, text)
     return {"offset": offset, "ids": ids, "facts": facts}
 
 
@@ -344,10 +350,11 @@ def build_recall(session, doc_ids: list[int], settings: BenchSettings, rng: rand
     return {"offset": offset, "ids": ids, "facts": pick_recalls(tok.decode(ids[len(prefix):]), rng, settings.needles)}
 
 
-def answer(session, engine, stream, question: str, max_new: int) -> str:
-    """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`."""
+def answer(session, engine, stream, question: str, max_new: int, start: str = "") -> str:
+    """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`; the answer begins with
+    `start` (given, not generated, and not returned)."""
     work = stream.clone()
-    suffix = session.frame.suffix_ids(session.lm.tokenizer, question)
+    suffix = session.frame.suffix_ids(session.lm.tokenizer, question) + encode_text(session.lm.tokenizer, start)
     tokens = list(engine.generate(work, suffix, max_new, session.stop_ids))
     return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -368,7 +375,7 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
     def score(engine, hay) -> tuple[list[str], list[bool]]:
         stream = engine.new_stream()
         engine.feed(stream, hay["ids"])
-        texts = [answer(session, reference, stream, f.question, settings.answer_tokens) for f in hay["facts"]]
+        texts = [answer(session, reference, stream, f.question, settings.answer_tokens, f.start) for f in hay["facts"]]
         return texts, [f.expected in t for f, t in zip(hay["facts"], texts)]
 
     full = {"accuracy": [], "answers": [], "correct": []}
@@ -408,7 +415,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     if settings.context + settings.continuation > session.adapter.max_positions:
         raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
                          f"{session.adapter.max_positions} positions")
-    doc_ids = session.lm.tokenizer(document.text, add_special_tokens=False)["input_ids"]
+    doc_ids = encode_text(session.lm.tokenizer, document.text)
     tasks = {"both": ["fidelity", "needle"], "all": ["fidelity", "needle", "recall"]}.get(settings.task, [settings.task])
     per_task = settings.windows * (1 + len(settings.methods) * len(budgets))
     tick = _Counter(per_task * len(tasks), progress)
@@ -476,7 +483,7 @@ def _method_table(console: Console, block: dict, labels: list[str], cell, title:
 def render(result: dict, console: Console) -> None:
     settings = result["settings"]
     labels = list(settings["budget_tokens"])
-    head = (f"{settings['model']} · {settings['document']['name']} · {settings['windows']} windows · "
+    head = (f"{shown(settings['model'])} · {shown(settings['document']['name'])} · {settings['windows']} windows · "
             f"seed {settings['seed']} · chunk {settings['chunk_size']}")
     fid = result.get("fidelity")
     if fid is not None:

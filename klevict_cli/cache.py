@@ -49,7 +49,7 @@ class LayerCache:
         self._used = 0
         for name, value in zip(_FIELDS, (keys, values, positions, rope_positions, valid)):
             setattr(self, name, value)
-        self.window = window  # sliding-window layers keep their window and are never scored
+        self.window = window  # a sliding layer keeps its window; scored only if every layer slides
         # Per-entry state a policy keeps across evictions (e.g. h2o's accumulated attention): name -> (H, C) tensor.
         # New entries start at zero; eviction, truncation and cloning carry it along with the entries.
         self.extras: dict[str, torch.Tensor] = dict(extras or {})

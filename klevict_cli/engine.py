@@ -216,10 +216,13 @@ class Engine:
         return max(1, min(self.probe_window, chunk_len, limit))
 
     def _scored_layers(self, stream: Stream) -> dict:
-        return {i: layer for i, layer in enumerate(stream.cache.layers) if layer.window is None}
+        """The global layers; if every layer slides (Mistral-style `sliding_window` without `layer_types`), all of
+        them: the window is then only an upper bound on what a layer holds, and the budget must still apply."""
+        layers = dict(enumerate(stream.cache.layers))
+        return {i: layer for i, layer in layers.items() if layer.window is None} or layers
 
     def held_per_head(self, stream: Stream) -> float:
-        """Entries held per KV head, on average over the scored (non-sliding) layers."""
+        """Entries held per KV head, on average over the scored layers (`_scored_layers`)."""
         layers = self._scored_layers(stream).values()
         heads = sum(layer.keys.shape[0] for layer in layers)
         return sum(int(layer.valid.sum()) for layer in layers) / max(heads, 1)
@@ -265,15 +268,15 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False,
+        final: bool = False, keep: range = range(0),
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
         by policy score, judged by the probes of the forward that produced `ctx` (its last tokens); the `recent`
-        last tokens are always kept."""
+        last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
         scores = self.policy.score_layers(self.eviction_step(stream, ctx, logits, w, final), list(scored))
-        self._keep_best(stream, scores, recent, budget)
+        self._keep_best(stream, scores, recent, budget, keep)
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
@@ -294,12 +297,15 @@ class Engine:
             return self.evict(stream, ctx, logits, recent, budget, final)
         self._keep_best(stream, total, recent, budget)
 
-    def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None) -> None:
+    def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None,
+                   keep: range = range(0)) -> None:
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
             w = min(recent, stream.next_position)
-            protect = {i: layer.positions >= stream.next_position - w for i, layer in scored.items()}
+            protect = {i: (layer.positions >= stream.next_position - w)
+                       | ((layer.positions >= keep.start) & (layer.positions < keep.stop))
+                       for i, layer in scored.items()}
             if self.policy.allocation == "global":
                 masks = select_global(scored, scores, budget, protect, min_per_head=w, max_per_head=self.head_cap)
             else:
@@ -381,6 +387,7 @@ class Engine:
         is re-compressed whenever generation has grown it by `slack` entries per head beyond the budget (or beyond
         what the prompt left, if more), with the latest tokens as probes."""
         logits = self.feed(stream, prompt_ids, evict=False)
+        prompt = range(stream.next_position - len(prompt_ids), stream.next_position)
         limit = None if self.budget is None else max(self.budget, math.ceil(self.held_per_head(stream)))
         answer: list[int] = []
         for i in range(max_new_tokens):
@@ -395,4 +402,4 @@ class Engine:
             if limit is not None and self.held_per_head(stream) > limit + slack:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
-                self.evict(stream, ctx, probe_logits, recent, budget=limit)
+                self.evict(stream, ctx, probe_logits, recent, budget=limit, keep=prompt)

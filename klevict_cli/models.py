@@ -2,7 +2,7 @@
 
 A GGUF file is dequantised once into a plain safetensors folder in the cache: dequantising costs about 30 s a
 load, reading the converted folder about 1 s. The fingerprints let a saved KV cache be matched to the model that
-made it, whichever way (GGUF or folder, CPU or GPU) that model was loaded.
+made it, whichever way (alias, GGUF or folder; any device or dtype) that model was loaded.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from klevict_cli.errors import ModelError
 from klevict_cli.options import resolve_device, resolve_dtype
+from klevict_cli.files import write_atomically
 
 
 class PackagedModel(NamedTuple):
@@ -78,8 +79,9 @@ _RUNTIME_CONFIG_KEYS = frozenset(
     }
 )
 
-# Elements read from each fingerprinted weight tensor: enough to tell models apart, few enough to stay < 50 ms.
-_FINGERPRINT_ELEMENTS = 4096
+# The files whose bytes are a model folder's weights, and where their digests are kept (inside the folder).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_WEIGHT_DIGESTS = ".klevict-weights.json"
 
 # "org/name" or "name": on POSIX a hub id contains os.sep, so the separator alone cannot mean "this is a path".
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -118,14 +120,15 @@ def load_model(
     model.to(torch_device)
     model.eval()
     model.requires_grad_(False)
+    folder = source if local else _hub_snapshot(source)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
-        source=source if local else _hub_snapshot(source),
+        source=folder,
         config_sha256=fingerprint_config(model.config),
         tokenizer_sha256=fingerprint_tokenizer(tokenizer),
-        weights_sha256=fingerprint_weights(model),
+        weights_sha256=fingerprint_files(Path(folder)) if Path(folder).is_dir() else fingerprint_weights(model),
     )
 
 
@@ -421,21 +424,43 @@ def fingerprint_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
     )
 
 
-def fingerprint_weights(model: PreTrainedModel) -> str:
-    """Hash the head of the input embedding and of the last parameter, as float32 on the CPU.
+def fingerprint_files(folder: Path) -> str:
+    """Hash every weight file of a model folder, so that a fine-tune changing any one weight is told apart.
 
-    Reading a few thousand values instead of every weight keeps this well under 50 ms; the two ends of the
-    parameter list differ between any two trained checkpoints. Equal for the same weights in the same dtype,
-    whether they came from GGUF or a folder and whichever device holds them.
+    A file is read (streamed) once: its sha256 is kept in the folder, keyed by the file's size and mtime, so a
+    later load only stats the files (a weight edited in place that keeps both would go unseen). A read-only folder
+    is hashed on every load. The GGUF models' converted folders make the alias, the file and the folder agree.
     """
+    known = _read_json(folder / _WEIGHT_DIGESTS)
+    record = {}
+    for path in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
+        stat = path.stat()
+        key = [stat.st_size, stat.st_mtime_ns]
+        entry = known.get(path.name)
+        record[path.name] = entry if isinstance(entry, list) and entry[:2] == key and len(entry) == 3 else [
+            *key, _file_sha256(path)]
+    if not record:
+        raise ModelError(f"{folder}: no weight files ({', '.join('*' + s for s in _WEIGHT_SUFFIXES)}) to fingerprint")
+    if record != known:
+        with contextlib.suppress(OSError):
+            write_atomically(folder / _WEIGHT_DIGESTS, json.dumps(record).encode())
+    return _sha256_json({name: entry[2] for name, entry in record.items()})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def fingerprint_weights(model: PreTrainedModel) -> str:
+    """Hash every parameter as float32 on the CPU: for a hub model whose files cannot be found after loading."""
     digest = hashlib.sha256()
-    last = None
-    for last in model.parameters():
-        pass
-    for tensor in (model.get_input_embeddings().weight, last):
-        head = tensor.detach().reshape(-1)[:_FINGERPRINT_ELEMENTS].to("cpu", torch.float32)
-        digest.update(json.dumps(list(tensor.shape)).encode())
-        digest.update(head.contiguous().numpy().tobytes())
+    for name, tensor in model.named_parameters():
+        digest.update(f"{name}:{list(tensor.shape)}".encode())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

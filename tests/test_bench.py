@@ -124,6 +124,25 @@ def test_the_same_seed_gives_the_same_numbers(session, document, result):
     assert other["fidelity"]["offsets"] != result["fidelity"]["offsets"]
 
 
+def test_bench_with_kl_reports_fidelity_and_needles_like_any_method(session, document):
+    """kl in the bench, end to end: its parameters are recorded, a full budget is exactly the full cache (look-ahead
+    drafts and calibration leave no trace), and a smaller budget keeps what it says and costs more KL."""
+    settings = BenchSettings(**{**SETTINGS, "methods": ["kl", "random"], "budgets": ["100%", "50%", "20%"]})
+    result = run_bench(session, document, settings)
+    assert result["settings"]["method_params"]["kl"]["propagation"] == "direct"
+    fidelity, needle = result["fidelity"], result["needle"]
+    for label in ("100%", "50%", "20%"):
+        row = fidelity["results"]["kl"][label]
+        assert all(len(row["per_window"][key]) == 2 for key in ("kl", "top1", "perplexity", "kept_entries"))
+        assert [len(a) for a in needle["results"]["kl"][label]["per_window"]["answers"]] == [4, 4]
+    full = fidelity["results"]["kl"]["100%"]
+    assert max(full["per_window"]["kl"]) <= 1e-6 and full["top1"]["mean"] == 1.0
+    assert needle["results"]["kl"]["100%"]["per_window"]["answers"] == needle["full"]["per_window"]["answers"]
+    half, fifth = fidelity["results"]["kl"]["50%"], fidelity["results"]["kl"]["20%"]
+    assert half["cache_fraction"]["mean"] == pytest.approx(0.5, abs=0.01)
+    assert 1e-6 < half["kl"]["mean"] < fifth["kl"]["mean"]
+
+
 def test_render_prints_every_method_and_budget(result):
     console = Console(record=True, width=200)
     render(result, console)

@@ -555,6 +555,24 @@ def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
     assert "--position-mode compact" in after and "smaller" not in after  # in original mode a budget won't help
 
 
+def test_ask_after_one_middle_weight_changed_is_refused(doc, work, tmp_path):
+    """A fine-tune's smallest edit — one element of one middle layer — is another model: its answers from a cache
+    made by the base model would be wrong without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_model(work / "fine-tuned", seed=0)
+    out = tmp_path / "base.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", folder, "--budget", "64", *FAST))
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] += 1e-3
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    cli._session.cache_clear()  # a new `klevict` process would load the folder afresh
+    try:
+        assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights have changed")
+    finally:
+        cli._session.cache_clear()
+
+
 def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
     assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model + "/", *GEN))
 

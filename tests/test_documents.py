@@ -74,10 +74,13 @@ def test_text_file_gives_text_name_and_hash(tmp_path):
     assert doc == Document(text="Hello world.", name=path, sha256=hashlib.sha256(b"Hello world.").hexdigest())
 
 
-def test_document_is_frozen(tmp_path):
-    doc = load_document(write(tmp_path, "doc.txt", "x"))
-    with pytest.raises(AttributeError):
-        doc.text = "y"
+def test_a_piped_document_is_the_same_document_as_its_file(tmp_path, monkeypatch):
+    """`cat f | klevict compress -` must record the same source hash as `klevict compress f`."""
+    data = "caf\u00e9  au lait\r\n".encode()
+    from_file = load_document(write(tmp_path, "doc.txt", data))
+    monkeypatch.setattr(sys, "stdin", FakeStdin(data))
+    piped = load_document("-")
+    assert (piped.text, piped.sha256) == (from_file.text, from_file.sha256) and piped.name == "<stdin>"
 
 
 def test_utf8_bom_is_stripped(tmp_path):

@@ -1,4 +1,5 @@
-"""End to end with the real packaged default model (SmolLM2-135M-Instruct): compress ~3k tokens at 10 %, then ask."""
+"""End to end with the real packaged default model (SmolLM2-135M-Instruct): compress ~3k tokens at 10 % and at 50 %,
+then ask; at 50 % the answers must hold the facts planted in the text."""
 
 from __future__ import annotations
 
@@ -20,8 +21,17 @@ COLOURS = ["red", "blue", "green", "amber", "violet", "silver", "black", "white"
 THINGS = ["lamp", "chest", "map", "bell", "compass", "lantern", "rope", "barrel"]
 
 
+# Facts planted in the log: how far into it, the fact, a question about it and what the answer must say.
+FACTS = [
+    (0.2, "The ship is called the Silver Heron.", "What is the name of the ship?", "Silver Heron"),
+    (0.5, "The captain's name is Elena Marsh, and she keeps the logbook in her cabin.", "What is the captain's name?",
+     "Elena"),
+    (0.8, "The cook's favourite spice is saffron.", "What is the cook's favourite spice?", "saffron"),
+]
+
+
 def harbour_log(n_entries: int = 140, seed: int = 0) -> str:
-    """A deterministic, made-up ship's log of about 3k tokens with one fact worth asking about."""
+    """A deterministic, made-up ship's log of about 3k tokens with a few facts worth asking about (FACTS)."""
     rng = random.Random(seed)
     lines = []
     for day in range(1, n_entries + 1):
@@ -29,20 +39,23 @@ def harbour_log(n_entries: int = 140, seed: int = 0) -> str:
             f"Day {day}: the crew moved the {rng.choice(COLOURS)} {rng.choice(THINGS)} to hold {rng.randint(1, 9)}"
             f" while the wind came from the {rng.choice(['north', 'south', 'east', 'west'])}."
         )
-        if day == n_entries // 2:
-            lines.append("The captain's name is Elena Marsh, and she keeps the logbook in her cabin.")
+        lines += [fact for depth, fact, _, _ in FACTS if day == round(n_entries * depth)]
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def compressed(tmp_path_factory):
+def compress(tmp_path_factory, budget: str):
     tmp = tmp_path_factory.mktemp("integration")
     document = tmp / "log.txt"
     document.write_text(harbour_log())
     output = tmp / "log.kvc"
-    result = CliRunner().invoke(app, ["compress", str(document), "-o", str(output), "--budget", "10%", "--json"])
+    result = CliRunner().invoke(app, ["compress", str(document), "-o", str(output), "--budget", budget, "--json"])
     assert result.exit_code == 0, result.stderr
     return output, json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    return compress(tmp_path_factory, "10%")
 
 
 def test_compress_keeps_ten_percent(compressed):
@@ -67,3 +80,19 @@ def test_ask_from_the_file_and_inspect(compressed):
     info = json.loads(shown.stdout)
     assert len(info["kept_per_layer"]) == 30
     assert info["kv_bytes_kept"] < 0.15 * info["kv_bytes_full"]
+
+
+def test_a_cache_at_half_the_budget_answers_the_planted_facts(tmp_path_factory):
+    """The facts and the phrasing are ones SmolLM2-135M answers from the full cache ("The ship is called the Silver
+    Heron.", "The captain's name is Elena Marsh.", "The cook's favourite spice is saffron."), so a wrong answer from
+    a cache that keeps half of it is what eviction lost. Measured at 50 %: all three right; the captain's surname is
+    not asked for (one log without the other two facts lost it, keeping "Elena"), nor "What is the ship called?"
+    (right from the full cache, wrong at 50 %: the same fact, phrased another way, answered as "Ship of the Line")."""
+    output, _ = compress(tmp_path_factory, "50%")
+    questions = [question for _, _, question, _ in FACTS]
+    asked = CliRunner().invoke(app, ["ask", str(output), "-", "--max-new-tokens", "16", "--json"],
+                               input="\n".join(questions) + "\n")
+    assert asked.exit_code == 0, asked.stderr
+    answers = [json.loads(line)["answer"] for line in asked.stdout.splitlines()]
+    for (_, _, question, expected), answer in zip(FACTS, answers, strict=True):
+        assert expected.lower() in answer.lower(), (question, answer)

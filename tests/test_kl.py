@@ -170,6 +170,28 @@ def test_decode_eviction_keeps_the_cache_within_budget_plus_slack():
     assert stream.next_position == 120 + 3 + 150 - 1  # the last sampled token is not fed back
 
 
+@pytest.mark.parametrize("method", ["kl", "snapkv"])
+def test_decode_eviction_never_evicts_the_question(method):
+    """The question (and the chat suffix around it) is what the answer is about: every entry of it stays held for
+    the whole answer, however small the budget and however long the answer."""
+    from klevict_cli.policies import make_policy
+
+    model = tiny_llama(seed=4)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (120,)).tolist()
+    question = torch.randint(0, 300, (24,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy(method), budget=8, chunk_size=40, probe_window=4)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    tokens = list(engine.generate(stream, question, max_new_tokens=201, stop_ids=set(), slack=8))
+    assert len(tokens) == 201 and stream.next_position == 120 + 24 + 200  # 200 tokens generated and read back
+    for layer in stream.cache.layers:
+        held = layer.positions.masked_fill(~layer.valid, -1)
+        for head in held:
+            assert set(range(120, 144)) <= set(head.tolist())
+    assert engine.held_per_head(stream) < 120  # and the answer was evicted meanwhile
+
+
 @pytest.mark.parametrize("final_propagation", ["direct", "fisher"])
 def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_backward_pass(monkeypatch,
                                                                                          final_propagation):

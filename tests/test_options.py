@@ -98,9 +98,13 @@ def test_budget_invariants(kwargs):
         Budget(**kwargs)
 
 
-def test_budget_is_frozen():
-    with pytest.raises(AttributeError):
-        Budget(tokens=3).tokens = 4
+def test_one_budget_spelled_two_ways_is_one_budget():
+    """"5%" and "0.05" keep the same entries, so a bench list that names both names one budget twice."""
+    from klevict_cli.bench import parse_budgets
+
+    assert parse_budget("5%") == parse_budget("0.05") == Budget(fraction=0.05)
+    with pytest.raises(UsageError, match="listed twice"):
+        parse_budgets("5%, 0.05")
 
 
 # --- config file -----------------------------------------------------------------------------------------------

@@ -75,8 +75,6 @@ class ObservedAttention(Policy):
     EXTRA = "observed_attention"
 
     def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
-        if layer.window is not None:
-            return
         if key.shape[0] != layer.keys.shape[0]:
             raise ModelError("observed_attention needs per-head keys (not MLA's compressed latent)")
         sums = attention_column_sums(query, key, attention_mask(layer, query_positions), scaling)

@@ -33,8 +33,6 @@ class ExpectedAttention(Policy):
         return {"future": str(self.future)}
 
     def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
-        if layer.window is not None:
-            return
         if query.shape[-1] != layer.keys.shape[-1]:
             raise ModelError("expected_attention needs per-head keys (not MLA's compressed latent)")
         after_sinks = query_positions >= SINKS

@@ -114,7 +114,8 @@ class KL(Policy):
                                  self.top_k, self.rank, jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
-            readout = to_head_space(factors, adapter.output_projection(i).weight, step.probes[i].output.shape[0])
+            readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output),
+                                    adapter.output_projection(i).weight, step.probes[i].output.shape[0])
             out[i] = self.entry_scores(step, i, readout)
         return out
 
