@@ -547,9 +547,18 @@ def test_every_policy_evicts_while_reading_and_decoding(family):
     _, model, adapter = family
     torch.manual_seed(7)
     ids = torch.randint(0, VOCAB, (40,)).tolist()
+    from klevict_cli.errors import ModelError
+    from klevict_cli.probes import Reconstruction
+
     for method in POLICIES:
-        engine = Engine(model, adapter, make_policy(method), budget=12, chunk_size=16, probe_window=4)
+        policy = make_policy(method)
+        recon = Reconstruction([1, 2], [3], [4], span=8) if policy.reconstruction == "required" else None
+        engine = Engine(model, adapter, policy, budget=12, chunk_size=16, probe_window=4, reconstruction=recon)
         stream = engine.new_stream()
+        if method == "expected_attention" and adapter.rotary_slot == "values":  # MLA caches a latent, not keys
+            with pytest.raises(ModelError, match="another --method"):
+                engine.feed(stream, ids)
+            continue
         engine.feed(stream, ids)
         tokens = list(engine.generate(stream, [1, 2], max_new_tokens=12, stop_ids=set(), slack=4))
         assert len(tokens) == 12

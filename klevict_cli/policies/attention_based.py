@@ -11,7 +11,6 @@ import torch
 
 from kernels.attention_rules import attention_column_sums, last_query_attention, pyramid_budgets, window_attention
 from klevict_cli.attention import attention_mask
-from klevict_cli.errors import ModelError
 from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.policies.snapkv import SnapKV
 
@@ -75,9 +74,12 @@ class ObservedAttention(Policy):
     EXTRA = "observed_attention"
 
     def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
-        if key.shape[0] != layer.keys.shape[0]:
-            raise ModelError("observed_attention needs per-head keys (not MLA's compressed latent)")
-        sums = attention_column_sums(query, key, attention_mask(layer, query_positions), scaling)
+        allowed = attention_mask(layer, query_positions)
+        if key.shape[0] != layer.keys.shape[0]:  # MLA: keys expanded per query head over one cached latent
+            sums = attention_column_sums(query, key, allowed.expand(key.shape[0], -1, -1), scaling)
+            sums = sums.sum(dim=0, keepdim=True)
+        else:
+            sums = attention_column_sums(query, key, allowed, scaling)
         layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + sums
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ class ExpectedAttention(Policy):
 
     def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
         if query.shape[-1] != layer.keys.shape[-1]:
-            raise ModelError("expected_attention needs per-head keys (not MLA's compressed latent)")
+            raise ModelError("expected_attention needs per-head keys; this model caches a compressed latent (MLA):"
+                             " choose another --method")
         after_sinks = query_positions >= SINKS
         q = query[:, after_sinks]
         positions = query_positions[after_sinks].expand(q.shape[0], -1)
@@ -58,8 +59,6 @@ class ExpectedAttention(Policy):
 
 
 def _rotated(adapter, x: torch.Tensor, delta: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """`x` (N, T, D) moved by `delta` (N, T) rotary positions; unchanged for models without RoPE."""
-    try:
-        return adapter.rerotate(x, delta, layer_idx)
-    except ModelError:  # absolute position embeddings: queries and keys are not rotated
-        return x.float()
+    """`x` (N, T, D) moved by `delta` (N, T) rotary positions; unchanged for models without RoPE (absolute position
+    embeddings: queries and keys are not rotated)."""
+    return adapter.rerotate(x, delta, layer_idx) if adapter.can_rerotate else x.float()
