@@ -188,7 +188,7 @@ class Engine:
         for n, start in enumerate(starts):
             chunk = ids[start : start + self.chunk_size]
             final = n == len(starts) - 1
-            upcoming = 0 if final else len(ids[starts[n + 1] : starts[n + 1] + self.chunk_size])
+            upcoming = 0 if final else min(self.chunk_size, len(ids) - starts[n + 1])
             must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
             drafted = final and self.drafts is not None
