@@ -34,7 +34,7 @@ from klevict_cli.session import Session
 from tests.conftest import CORPUS, make_tokenizer, tiny_llama
 
 TEXT = " ".join(CORPUS * 25)
-TIMING_KEYS = {"seconds", "time_ratio", "peak_device_bytes"}
+TIMING_KEYS = {"seconds", "time_ratio", "peak_device_bytes", "created"}  # what a rerun may change
 SETTINGS = dict(methods=["snapkv", "h2o"], budgets=["100%", "20%"], windows=2, context=200, continuation=32,
                 chunk_size=64, probe_window=8, task="both")
 
