@@ -209,8 +209,8 @@ def headline(path: Path, result: dict, link: str) -> list[str]:
     peer_costs = [per[b]["time_ratio"]["mean"] for m, per in rows.items() if m in peers(rows) for b in budgets(result)]
     return lines + [
         "",
-        f"{len(rows) - 1} other methods, {s['windows']} windows of {s['context']:,} tokens of `{md(s['document']['name'])}`"
-        f" then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± 95 % "
+        f"kl against {len(peers(rows))} other methods; {s['windows']} windows of {s['context']:,} tokens of "
+        f"`{md(s['document']['name'])}` then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± 95 % "
         f"over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw numbers: "
         f"`{path.as_posix()}`; details and the command: [{link}]({link}).",
         "",
