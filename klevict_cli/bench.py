@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import platform
 import random
 import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 
 import torch
 from rich.console import Console
@@ -430,6 +432,8 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
             "dtype": str(next(session.lm.model.parameters()).dtype).removeprefix("torch."),
             "document": {"name": document.name, "sha256": document.sha256, "tokens": len(doc_ids)},
             "interval": "mean ± 1.96·sd/√n over windows",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": _machine(session),
             "method_params": {m: make_policy(m).params() for m in settings.methods},
             "versions": {"klevict": __version__, "torch": torch.__version__, "transformers": _transformers_version(),
                          "python": platform.python_version()},
@@ -442,6 +446,19 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
         if task in tasks:
             out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task)
     return out
+
+
+def _machine(session) -> str:
+    """What the timings were measured on: CPU, core count and, when used, the GPU."""
+    device = next(session.lm.model.parameters()).device
+    cpu = platform.processor() or platform.machine()
+    try:  # Linux names the CPU model here; platform.processor() is often empty
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo", encoding="utf-8")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{gpu}"
 
 
 def _transformers_version() -> str:

@@ -457,13 +457,22 @@ def _questions(question: str) -> list[str]:
 def inspect(
     cache_file: Annotated[Path, typer.Argument(help="A .kvc file.")],
     text: Annotated[bool, typer.Option("--text", help="Render the document with the kept spans highlighted.")] = False,
+    html_path: Annotated[Path | None, typer.Option("--html", help="Also write one self-contained HTML page: the "
+                                                   "document with each token shaded by the share of heads that "
+                                                   "kept it, kept entries per layer, the metadata.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Tokenizer for --text and --html (default: "
+                                              "the model that made the cache).")] = None,
     json_out: JsonOpt = None,
 ):
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
 
-    model = model_of(cache_file) if text and not json_out else None
-    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model)
+    if html_path is not None:
+        check_destination(html_path, "--html")
+    decode = (text and not json_out) or html_path is not None
+    model = (model or model_of(cache_file)) if decode else None
+    html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
+    inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model, html_out=html_out)
 
 
 @app.command()
@@ -481,7 +490,8 @@ def bench(
     continuation: Annotated[int, typer.Option("--continuation", help="Tokens teacher-forced after the context."
                                               )] = 256,
     task: Annotated[str, typer.Option("--task", help="fidelity (KL, top-1, perplexity, cost), needle (retrieval "
-                                      "of inserted facts) or both.")] = "fidelity",
+                                      "of planted facts), recall (details the text states once), both (fidelity "
+                                      "+ needle) or all three.")] = "fidelity",
     out_path: Annotated[Path | None, typer.Option("--out", help="Write every raw per-window number and the "
                                                   "settings to this JSON file.")] = None,
     json_out: Annotated[bool | None, typer.Option("--json", help="Print those raw numbers as one JSON object on "
@@ -492,13 +502,15 @@ def bench(
                                                   " the budget (default 4; 1 evicts after every chunk).")] = None,
     reconstruct: Annotated[bool, typer.Option("--reconstruct/--no-reconstruct", help="kl: judge entries by "
                                               "reconstruction probes too, as compress does.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
+                                              "against budget with 95% intervals, cost against KL, retrieval "
+                                              "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     seed: SeedOpt = None, probe_window: ProbeOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
     from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
     from klevict_cli.documents import load_document
-    from klevict_cli.files import write_atomically
     from klevict_cli.policies import POLICIES
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
@@ -517,6 +529,11 @@ def bench(
     )
     if out_path is not None:
         check_destination(out_path, "--out")
+    if plot is not None:
+        from klevict_cli.plots import check_plot_target
+
+        check_plot_target(plot)
+        check_destination(plot, "--plot")
     document = load_document(file)
     session = session_for(opts)
     with progress_bar(opts["quiet"], unit="steps") as bar:
@@ -529,11 +546,22 @@ def bench(
     else:
         render(result, out)
     if out_path is not None:
-        try:
-            write_atomically(out_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
-        except OSError as exc:
-            raise OutputError(f"--out {out_path}: cannot write it ({exc.strerror or exc})") from None
-        note(opts, f"wrote {out_path}")
+        write_output(opts, "--out", out_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
+    if plot is not None:
+        from klevict_cli.plots import plot_bytes
+
+        write_output(opts, "--plot", plot, plot_bytes(result, plot))
+
+
+def write_output(opts: dict, flag: str, path: Path, blob: bytes) -> None:
+    """Write one output file of a command atomically; a failure is exit 7, naming the option."""
+    from klevict_cli.files import write_atomically
+
+    try:
+        write_atomically(path, blob)
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+    note(opts, f"wrote {path}")
 
 
 def version_callback(value: bool):

@@ -7,6 +7,7 @@ decode the stored token ids and highlight the kept spans: in colour on a termina
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,11 +69,19 @@ def describe(path: Path, kvc: KvcFile) -> dict:
     }
 
 
-def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None) -> None:
+def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None,
+                 html_out: Callable[[bytes], None] | None = None) -> None:
+    """Print what `path` kept (a table, or JSON); `html_out`, if given, receives the HTML page of it
+    (html_report.page) before anything is printed."""
     kvc = load_kvc(path)
     # rendered first: a file the tokenizer cannot decode is refused before anything is printed
-    rendered = render_text(path, kvc, model) if text and not as_json else None
+    rendered = render_text(path, kvc, model) if (text and not as_json) or html_out else None
     info = describe(path, kvc)
+    if html_out is not None:
+        from klevict_cli.html_report import page
+
+        html_out(page(info, rendered).encode("utf-8"))
+        rendered = rendered if text and not as_json else None
     if as_json:
         console.file.write(json.dumps(info) + "\n")
         return

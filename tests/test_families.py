@@ -297,7 +297,7 @@ def test_the_default_kl_scores_rank_like_the_float64_oracle(oracle):
     layer, so ≥ 0.55 per layer and ≥ 0.5 pooled are ≥ 6σ above it; measured .63-.96 per layer and .55-.96 pooled
     (seed 3). The tiny models cap it, not the estimator: their flat 300-token distributions are what top-64/rank-4
     truncates, and in two layers the later one, which the direct path ignores, is half the model (SmolLM2 reaches
-    .92-.97: README, oracle table). Calibration must bring magnitudes within ×3 of the truth (measured ×0.40-1.14;
+    .92-.97: docs/research-log.md, oracle table). Calibration must bring magnitudes within ×3 of the truth (measured ×0.40-1.14;
     uncalibrated, SmolLM2's layers spread over ×0.03-1.5)."""
     name, step, truth = oracle
     step.generator.manual_seed(0)

@@ -74,7 +74,7 @@ def test_estimator_ranks_like_the_float64_oracle(probed, propagation, probes):
     model, stream, step = probed
     # live probes add cross-probe terms to the sampled estimate: more samples for the same noise
     # rank 8: the tiny model's next-token distribution is flat, so its metric needs more directions than the real
-    # model's concentrated one (where rank 4, the default, ranks within .005 of rank 8: README, oracle table)
+    # model's concentrated one (where rank 4, the default, ranks within .005 of rank 8: docs/research-log.md, oracle table)
     policy = KL(propagation=propagation, samples=256 if probes == "frozen" else 2048, calibrate=False, probes=probes,
                 rank=8)
     scores = policy.fisher_scores(step, [0, 1, 2]) if propagation == "fisher" else policy.direct_scores(step, [0, 1, 2])

@@ -1,0 +1,103 @@
+"""Pictures of a `klevict bench` result: KL against budget per method with the 95 % intervals, cost against KL, and
+retrieval accuracy against budget. matplotlib is an optional extra (`pip install 'klevict[plot]'`); it is drawn
+with the Agg canvas directly, so no GUI backend or global pyplot state is involved.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from klevict_cli.errors import UsageError
+from klevict_cli.results import SUBJECT, budgets
+
+INSTALL = "pip install 'klevict[plot]'"
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_plot_target(path: Path) -> None:
+    """Refuse, before any long run, a plot that could not be drawn: no matplotlib, or a format it is not given."""
+    if path.suffix.lower() not in FORMATS:
+        raise UsageError(f"--plot {path}: give a file ending in {', '.join(FORMATS)}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--plot needs matplotlib, which is not installed: {INSTALL}") from None
+
+
+def panels(result: dict) -> list[str]:
+    """What there is to draw in `result`, in order."""
+    return (["kl", "cost"] if "fidelity" in result else []) + [t for t in ("needle", "recall") if t in result]
+
+
+def figure(result: dict):
+    """A matplotlib Figure with one panel per entry of `panels(result)` and one legend for the methods."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    kinds = panels(result)
+    labels = budgets(result)
+    tokens = [result["settings"]["budget_tokens"][b] for b in labels]
+    methods = list(next(result[k]["results"] for k in ("fidelity", "needle", "recall") if k in result))
+    fig = Figure(figsize=(5.2 * len(kinds) + 2.2, 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    colours = fig_colours(len(methods))
+    for ax, kind in zip(axes, kinds):
+        for n, method in enumerate(methods):
+            style = {"color": "black" if method == SUBJECT else colours[n], "marker": "o", "markersize": 3.5,
+                     "linewidth": 2.4 if method == SUBJECT else 1.1, "label": method, "zorder": 3 if method == SUBJECT
+                     else 2}
+            if kind in ("kl", "cost"):
+                rows = [result["fidelity"]["results"][method][b] for b in labels]
+                kl = [r["kl"]["mean"] for r in rows]
+                if kind == "kl":
+                    ax.errorbar(tokens, kl, yerr=[r["kl"]["ci95"] for r in rows], capsize=2, **style)
+                else:
+                    ax.plot(kl, [r["time_ratio"]["mean"] for r in rows], **style)
+            else:
+                rows = [result[kind]["results"][method][b] for b in labels]
+                ax.plot(tokens, [100 * r["accuracy"]["mean"] for r in rows], **style)
+        describe_axes(ax, kind, result)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right center", fontsize="small", frameon=False)
+    return fig
+
+
+def fig_colours(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20"]
+    return [cmap(i % 20) for i in range(n)]
+
+
+def describe_axes(ax, kind: str, result: dict) -> None:
+    from matplotlib.ticker import NullFormatter
+
+    s = result["settings"]
+    ax.grid(True, alpha=0.3)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if kind == "cost":
+        ax.set_xlabel("KL(full ‖ compressed), nats/token")
+        ax.set_ylabel("read time / full-cache read")
+        ax.set_title("cost against quality")
+        return
+    ax.set_xticks([s["budget_tokens"][b] for b in budgets(result)], labels=[f"{b}\n({s['budget_tokens'][b]})"
+                                                                            for b in budgets(result)])
+    ax.set_xlabel(f"entries kept per KV head (of {s['context']})")
+    if kind == "kl":
+        ax.set_yscale("log")
+        ax.set_ylabel("KL(full ‖ compressed), nats/token")
+        ax.set_title(f"KL against budget, mean ± 95 % over {s['windows']} windows")
+    else:
+        ax.set_ylim(-3, 103)
+        ax.set_ylabel("exact-match accuracy, %")
+        ax.set_title(f"{kind}: retrieval accuracy")
+
+
+def plot_bytes(result: dict, path: Path) -> bytes:
+    """`result` drawn as the bytes of a file of `path`'s format (.png, .svg or .pdf)."""
+    buffer = io.BytesIO()
+    figure(result).savefig(buffer, format=Path(path).suffix.lower().lstrip("."), dpi=110)
+    return buffer.getvalue()

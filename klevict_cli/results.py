@@ -1,0 +1,219 @@
+"""Markdown tables from `klevict bench` results (the JSON that `--out` writes), for docs/benchmarks.md and the
+README's headline table (`benchmarks/make_tables.py` writes them there).
+
+Everything is computed from the file: means and 95 % intervals as the bench stored them, paired comparisons from its
+per-window lists. Nothing here imports torch, so the tables regenerate in a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shlex
+from pathlib import Path
+
+SUBJECT = "kl"
+RESAMPLES = 10_000  # bootstrap resamples of the windows for a paired ratio's interval
+
+
+def load_result(path: Path) -> dict | None:
+    """A bench result, or None if the file holds something else (another script's JSON)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "settings" not in data or not any(t in data for t in TASKS):
+        return None
+    return data
+
+
+TASKS = ("fidelity", "needle", "recall")
+
+
+def budgets(result: dict) -> list[str]:
+    return list(result["settings"]["budget_tokens"])
+
+
+def peers(methods) -> list[str]:
+    """The methods kl is compared with: all but kl and its own variants (kl-fisher, kl-layer)."""
+    return [m for m in methods if m != SUBJECT and not m.startswith(SUBJECT + "-")]
+
+
+def best_peer(block: dict, budget: str, metric: str = "kl") -> str | None:
+    """The peer with the lowest mean `metric` at `budget`."""
+    rows = {m: per[budget][metric]["mean"] for m, per in block["results"].items() if m in peers(block["results"])}
+    rows = {m: v for m, v in rows.items() if v is not None}
+    return min(rows, key=rows.get) if rows else None
+
+
+def paired_ratio(mine: list[float], theirs: list[float], seed: int = 0) -> dict:
+    """Per-window ratios mine / theirs: geometric mean with a percentile-bootstrap 95 % interval over windows, and in
+    how many windows `mine` is lower. Windows where either value is 0 have no ratio (both 0 counts as a tie)."""
+    better = sum(a < b for a, b in zip(mine, theirs))
+    logs = [math.log(a / b) for a, b in zip(mine, theirs) if a > 0 and b > 0]
+    out = {"better": better, "windows": len(mine), "ratio": None, "low": None, "high": None, "paired": len(logs)}
+    if not logs:
+        return out
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(RESAMPLES))
+    out.update(ratio=math.exp(sum(logs) / len(logs)), low=math.exp(means[int(0.025 * (RESAMPLES - 1))]),
+               high=math.exp(means[int(0.975 * (RESAMPLES - 1))]))
+    return out
+
+
+# ---- formatting ------------------------------------------------------------------------------------------------
+def md(text: object) -> str:
+    """Text from a result file inside a Markdown table cell: nothing in it may open markup or split the cell."""
+    out = str(text)
+    for c in "\\`*_[]<>|#":
+        out = out.replace(c, "\\" + c)
+    return " ".join(out.split())
+
+
+def pm(stat: dict) -> str:
+    """Mean ± half-width, both to the decimals that give the mean three significant figures."""
+    mean = stat.get("mean")
+    if mean is None:
+        return "–"
+    digits = min(8, max(0, 2 - math.floor(math.log10(abs(mean))))) if mean else 4
+    return f"{mean:.{digits}f} ± {stat['ci95']:.{digits}f}"
+
+
+def ratio_text(p: dict) -> str:
+    if p["ratio"] is None:
+        return "–"
+    return f"{p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def budget_headers(result: dict) -> list[str]:
+    tokens = result["settings"]["budget_tokens"]
+    return [f"{md(b)} ({tokens[b]})" for b in budgets(result)]
+
+
+def command(result: dict, path: Path) -> str:
+    """The `klevict bench` command line that produces this file (its settings, spelt as options)."""
+    s = result["settings"]
+    parts = ["klevict", "bench", s["document"]["name"], "--model", s["model"], "--methods", ",".join(s["methods"]),
+             "--budgets", ",".join(s["budgets"]), "--windows", s["windows"], "--context", s["context"],
+             "--continuation", s["continuation"], "--seed", s["seed"], "--chunk-size", s["chunk_size"],
+             "--probe-window", s["probe_window"], "--task", s["task"]]
+    if s["task"] != "fidelity":
+        parts += ["--needles", s["needles"], "--answer-tokens", s["answer_tokens"]]
+    if s.get("working") is not None:
+        parts += ["--working", s["working"]]
+    if s.get("reconstruct"):
+        parts.append("--reconstruct")
+    parts += ["--device", s["device"], "--dtype", s["dtype"], "--out", path.as_posix()]
+    return shlex.join(str(p) for p in parts)
+
+
+# ---- per file --------------------------------------------------------------------------------------------------
+def fidelity_tables(result: dict) -> list[str]:
+    fid, labels = result["fidelity"], budgets(result)
+    rows = fid["results"]
+    lines = ["KL(full ‖ compressed) in nats per token, mean ± 95 % interval over the windows (lower is better; the "
+             "lowest per budget in bold):", ""]
+    body = []
+    for method, per in rows.items():
+        cells = []
+        for b in labels:
+            lowest = min((r[b]["kl"]["mean"] for r in rows.values() if r[b]["kl"]["mean"] is not None), default=None)
+            text = pm(per[b]["kl"])
+            cells.append(f"**{text}**" if per[b]["kl"]["mean"] is not None and per[b]["kl"]["mean"] == lowest
+                         else text)
+        body.append([md(method), *cells])
+    lines += table(["method", *budget_headers(result)], body) + [""]
+    if SUBJECT in rows and peers(rows):
+        lines += [f"Paired by window: {SUBJECT}'s KL over the best other method's at each budget (geometric mean of "
+                  "the per-window ratios, 95 % bootstrap interval over windows; below 1 means kl is better):", ""]
+        body = []
+        for b in labels:
+            other = best_peer(fid, b)
+            if other is None:
+                continue
+            p = paired_ratio(rows[SUBJECT][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
+            body.append([md(b), md(other), ratio_text(p), f"{p['better']} of {p['windows']}"])
+        lines += table(["budget", "best other method", f"{SUBJECT} / it", f"{SUBJECT} lower in"], body) + [""]
+    lines += ["Top-1 agreement with the full cache, mean over windows:", ""]
+    lines += table(["method", *budget_headers(result)],
+                   [[md(m), *(f"{100 * per[b]['top1']['mean']:.1f} %" for b in labels)] for m, per in rows.items()])
+    full = fid["full"]
+    lines += ["", f"Cost: compression time over the full-cache read of the same window (mean over windows; the full "
+                  f"read took {full['seconds']['mean']:.2f} s per window, full-cache perplexity "
+                  f"{full['perplexity']['mean']:.2f}):", ""]
+    lines += table(["method", *budget_headers(result)],
+                   [[md(m), *(f"{per[b]['time_ratio']['mean']:.2f}×" for b in labels)] for m, per in rows.items()])
+    return lines + [""]
+
+
+def retrieval_table(result: dict, task: str) -> list[str]:
+    block, labels = result[task], budgets(result)
+    questions = sum(len(h["facts"]) for h in block["haystacks"])
+    what = "planted facts (needle)" if task == "needle" else "details the text states once (recall)"
+    lines = [f"Retrieval of {what}: exact-match accuracy over {questions} questions in {len(block['haystacks'])} "
+             f"windows; the full cache answers {100 * block['full']['accuracy']['mean']:.1f} %:", ""]
+    lines += table(["method", *budget_headers(result)],
+                   [[md(m), *(f"{100 * per[b]['accuracy']['mean']:.1f} %" for b in labels)]
+                    for m, per in block["results"].items()])
+    return lines + [""]
+
+
+def file_section(path: Path, result: dict, plot: Path | None = None) -> list[str]:
+    s = result["settings"]
+    doc = s["document"]
+    versions = s.get("versions", {})
+    run = [f"model `{md(s['model'])}`", f"document `{md(doc['name'])}` ({doc['tokens']:,} tokens, sha256 "
+           f"{md(doc['sha256'])[:12]}…)", f"{s['windows']} windows of {s['context']:,} tokens",
+           f"continuation {s['continuation']}", f"seed {s['seed']}", f"{md(s['device'])}, {md(s['dtype'])}",
+           f"klevict {md(versions.get('klevict', '?'))}, torch {md(versions.get('torch', '?'))}, "
+           f"transformers {md(versions.get('transformers', '?'))}"]
+    if s.get("created"):
+        run.insert(0, f"run {md(s['created'])}")
+    if s.get("machine"):
+        run.append(md(s["machine"]))
+    lines = [f"### {md(path.name)}", "", "; ".join(run) + ".", "", "```bash", command(result, path), "```", ""]
+    if plot is not None:
+        lines += [f"![KL against budget, and cost against KL, for {md(path.name)}]({plot.as_posix()})", ""]
+    if "fidelity" in result:
+        lines += fidelity_tables(result)
+    for task in ("needle", "recall"):
+        if task in result:
+            lines += retrieval_table(result, task)
+    return lines
+
+
+# ---- the README's headline -------------------------------------------------------------------------------------
+def headline_choice(results: dict[Path, dict]) -> Path | None:
+    """The fidelity result with kl and the most methods (then the most windows, then the latest name)."""
+    usable = [(len(r["fidelity"]["results"]), r["settings"]["windows"], p.name, p) for p, r in results.items()
+              if "fidelity" in r and SUBJECT in r["fidelity"]["results"] and peers(r["fidelity"]["results"])]
+    return max(usable)[3] if usable else None
+
+
+def headline(path: Path, result: dict, link: str) -> list[str]:
+    """One table: kl against the best other method per budget, paired by window; and one cost sentence."""
+    fid, s = result["fidelity"], result["settings"]
+    rows = fid["results"]
+    body = []
+    for b in budgets(result):
+        other = best_peer(fid, b)
+        p = paired_ratio(rows[SUBJECT][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
+        body.append([md(b), pm(rows[SUBJECT][b]["kl"]), f"{md(other)} {pm(rows[other][b]['kl'])}", ratio_text(p),
+                     f"{p['better']} of {p['windows']}"])
+    lines = table(["kept", "kl: KL (nats/token)", "best of the other methods", "ratio, paired", "kl better in"],
+                  body)
+    costs = [rows[SUBJECT][b]["time_ratio"]["mean"] for b in budgets(result)]
+    peer_costs = [per[b]["time_ratio"]["mean"] for m, per in rows.items() if m in peers(rows) for b in budgets(result)]
+    return lines + [
+        "",
+        f"kl against {len(peers(rows))} other methods; {s['windows']} windows of {s['context']:,} tokens of "
+        f"`{md(s['document']['name'])}` then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± 95 % "
+        f"over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw numbers: "
+        f"`{path.as_posix()}`; details and the command: [{link}]({link}).",
+        "",
+        f"Cost: a kl read took {min(costs):.2f}–{max(costs):.2f}× the time of a full-cache read of the same window "
+        f"(the other methods {min(peer_costs):.2f}–{max(peer_costs):.2f}×).",
+    ]

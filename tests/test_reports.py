@@ -1,0 +1,156 @@
+"""Benchmark tables (klevict_cli/results.py, benchmarks/make_tables.py) and plots (`bench --plot`), from a real
+`run_bench` result on a tiny random model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.bench import BenchSettings, run_bench
+from klevict_cli.documents import Document
+from klevict_cli.models import LoadedModel
+from klevict_cli.results import md, paired_ratio, peers
+from klevict_cli.session import Session
+from tests.conftest import CORPUS, make_tokenizer, tiny_llama
+from tests.test_cli import assert_error, assert_ok, invoke
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("make_tables", ROOT / "benchmarks" / "make_tables.py")
+make_tables = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(make_tables)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    model = tiny_llama(seed=5)
+    model.set_attn_implementation(ATTENTION_NAME)
+    session = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    settings = BenchSettings(methods=["kl", "snapkv", "streaming", "kl-layer"], budgets=["50%", "20%"], windows=3,
+                             context=200, continuation=32, chunk_size=64, probe_window=8, task="both", needles=2,
+                             answer_tokens=4)
+    document = Document(" ".join(CORPUS * 25), "corpus | <b>.txt", "0" * 64)
+    return json.loads(json.dumps(run_bench(session, document, settings)))
+
+
+def tree(tmp_path: Path, results: dict[str, object]) -> Path:
+    """A copy of the repository's two generated files (with their markers) and the given result files."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    for name in ("README.md", "docs/benchmarks.md"):
+        (tmp_path / name).write_text((ROOT / name).read_text(encoding="utf-8"), encoding="utf-8")
+    for name, data in results.items():
+        (tmp_path / "benchmarks" / "results" / name).write_text(json.dumps(data), encoding="utf-8")
+    return tmp_path
+
+
+def generated(root: Path, name: str, marks: tuple[str, str]) -> str:
+    text = (root / name).read_text(encoding="utf-8")
+    return text.split(marks[0])[1].split(marks[1])[0]
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------
+def test_paired_ratio_of_a_constant_ratio_is_exact():
+    p = paired_ratio([1.0, 2.0, 4.0], [2.0, 4.0, 8.0])
+    assert p["ratio"] == pytest.approx(0.5) and p["low"] == pytest.approx(0.5) and p["high"] == pytest.approx(0.5)
+    assert (p["better"], p["windows"]) == (3, 3)
+
+
+def test_paired_ratio_interval_holds_the_mean_and_skips_zeros():
+    p = paired_ratio([1.0, 3.0, 0.0, 2.0], [2.0, 2.0, 0.0, 1.0])
+    assert p["paired"] == 3 and p["better"] == 1 and p["windows"] == 4
+    assert p["low"] <= p["ratio"] <= p["high"]
+    assert p["ratio"] == pytest.approx((0.5 * 1.5 * 2.0) ** (1 / 3))
+
+
+def test_peers_leave_out_kl_and_its_variants():
+    assert peers(["kl", "kl-layer", "kl-fisher", "snapkv", "kvzip"]) == ["snapkv", "kvzip"]
+
+
+def test_text_from_a_file_cannot_open_markup_or_split_a_cell():
+    assert md("a|b <script>`x`*y*") == "a\\|b \\<script\\>\\`x\\`\\*y\\*"
+
+
+# ---- the script ------------------------------------------------------------------------------------------------
+def test_tables_from_a_result_file(tmp_path, result):
+    root = tree(tmp_path, {"tiny.json": result, "cost.json": {"pairs": [1.2]}})
+    assert make_tables.main(["--root", str(root)]) == 0
+    docs = generated(root, "docs/benchmarks.md", make_tables.TABLES)
+    assert "### tiny.json" in docs
+    assert ("klevict bench 'corpus | <b>.txt' --model tiny-llama --methods kl,snapkv,streaming,kl-layer --budgets "
+            "50%,20% --windows 3 --context 200 --continuation 32 --seed 0") in docs
+    assert "--out benchmarks/results/tiny.json" in docs
+    for method in ("kl", "snapkv", "streaming", "kl-layer"):
+        assert docs.count(f"\n| {method} | ") == 4  # KL, top-1, cost, needle
+    kl = result["fidelity"]["results"]["kl"]["50%"]["kl"]["mean"]
+    assert f"{kl:.3g}"[:5] in docs
+    assert "`benchmarks/results/cost.json`" in docs  # listed, not tabulated
+    assert "document `corpus \\| \\<b\\>.txt`" in docs
+    readme = generated(root, "README.md", make_tables.HEADLINE)
+    best = min(("snapkv", "streaming"), key=lambda m: result["fidelity"]["results"][m]["20%"]["kl"]["mean"])
+    assert f"| 20% | " in readme and best in readme and "`benchmarks/results/tiny.json`" in readme
+    assert "kl-layer" not in readme.split("Cost:")[0].split("\n| 20%")[1]  # a variant is not "another method"
+    assert make_tables.main(["--root", str(root), "--check"]) == 0
+
+
+def test_check_fails_when_a_result_changes(tmp_path, result):
+    root = tree(tmp_path, {"tiny.json": result})
+    assert make_tables.main(["--root", str(root)]) == 0
+    changed = json.loads(json.dumps(result))
+    changed["settings"]["seed"] = 7
+    (root / "benchmarks/results/tiny.json").write_text(json.dumps(changed), encoding="utf-8")
+    assert make_tables.main(["--root", str(root), "--check"]) == 1
+
+
+def test_no_results_is_said_plainly(tmp_path):
+    root = tree(tmp_path, {})
+    assert make_tables.main(["--root", str(root)]) == 0
+    assert "No results are committed" in generated(root, "docs/benchmarks.md", make_tables.TABLES)
+    assert "No benchmark results are committed yet" in generated(root, "README.md", make_tables.HEADLINE)
+
+
+def test_the_repository_tables_are_current():
+    """docs/benchmarks.md and the README headline are what benchmarks/results/ gives: after adding a result, run
+    python benchmarks/make_tables.py."""
+    assert make_tables.main(["--check"]) == 0
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------
+def test_plot_has_a_panel_per_measure(result):
+    pytest.importorskip("matplotlib")
+    from klevict_cli.plots import figure, plot_bytes
+
+    fig = figure(result)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 3 and titles[1] == "cost against quality" and titles[2].startswith("needle")
+    assert len(fig.axes[0].get_lines()) >= 4  # a line (and error bars) per method
+    assert plot_bytes(result, Path("x.png")).startswith(b"\x89PNG\r\n\x1a\n")
+    assert plot_bytes(result, Path("x.svg")).lstrip().startswith(b"<?xml")
+
+
+def test_bench_plot_end_to_end(tiny_model_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(CORPUS * 12), encoding="utf-8")
+    out = tmp_path / "bench.png"
+    result = invoke("bench", doc, "--model", tiny_model_dir, "--methods", "kl,snapkv", "--budgets", "50%",
+                    "--windows", "1", "--context", "96", "--continuation", "16", "--chunk-size", "32",
+                    "--plot", out)
+    assert_ok(result)
+    assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in result.stderr
+
+
+def test_bench_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = invoke("bench", tmp_path / "missing.txt", "--plot", tmp_path / "b.png")
+    assert_error(result, 2, "matplotlib", "pip install 'klevict[plot]'")
+
+
+def test_bench_plot_needs_a_known_format(tmp_path):
+    assert_error(invoke("bench", tmp_path / "missing.txt", "--plot", tmp_path / "b.gif"), 2, ".png")
