@@ -369,7 +369,8 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
     build = build_haystack if task == "needle" else build_recall
     haystacks = [build(session, doc_ids, settings, rng) for _ in range(settings.windows)]
     longest = max(len(h["ids"]) for h in haystacks) + settings.answer_tokens + max(
-        len(session.frame.suffix_ids(session.lm.tokenizer, f.question)) for h in haystacks for f in h["facts"])
+        (len(session.frame.suffix_ids(session.lm.tokenizer, f.question) + encode_text(session.lm.tokenizer, f.start))
+         for h in haystacks for f in h["facts"]), default=0)
     if longest > session.adapter.max_positions:
         raise ResourceError(f"a needle haystack plus its question needs {longest} positions; the model has "
                          f"{session.adapter.max_positions} (lower --context)")

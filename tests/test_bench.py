@@ -248,3 +248,20 @@ def test_cli_bench_checks_where_it_will_write_before_measuring(tiny_model_dir, t
     assert missing.exit_code == 7 and missing.stderr.startswith("error: --out") and "does not exist" in missing.stderr
     folder = runner.invoke(app, [*base, "--out", str(tmp_path)])
     assert folder.exit_code == 2 and "is a directory" in folder.stderr
+
+
+def test_recall_runs_when_a_window_states_no_detail_once(session, document):
+    """A window without a name or number stated once has no recall question; the task still reports the others."""
+    settings = BenchSettings(**{**SETTINGS, "task": "recall", "methods": ["streaming"], "budgets": ["50%"]})
+    result = run_bench(session, document, settings)
+    assert "recall" in result and 0 <= result["recall"]["full"]["accuracy"]["mean"] <= 1
+
+
+def test_pick_recalls_finds_details_stated_once():
+    import random
+
+    from klevict_cli.bench import pick_recalls
+
+    text = "The ship sailed on. We met old Captain Ahab near the dock that day. The sea was calm and the ship was slow."
+    (recall,) = pick_recalls(text, random.Random(0), 3)
+    assert recall.expected == "Ahab" and recall.start == '"We met old Captain'
