@@ -144,6 +144,20 @@ def plan_sources(paths: list[str], shard: tuple[int, int] | None) -> list[Source
     return sources
 
 
+def cache_paths(args: Iterable[Path]) -> list[Path]:
+    """The caches `ask` answers from: `.kvc` files as given, and the `.kvc` files in each folder, by name."""
+    caches: list[Path] = []
+    for arg in args:
+        if arg.is_dir():
+            found = sorted(arg.glob("*.kvc"))
+            if not found:
+                raise UsageError(f"{arg}: no .kvc files in this folder")
+            caches.extend(found)
+        else:
+            caches.append(arg)
+    return caches
+
+
 # ---- the worker: bytes in, .kvc bytes out ----------------------------------------------------------------------
 def settings_key(opts: dict, identity: dict[str, str]) -> str:
     """What must match for an existing `.kvc` to count as done: every reading setting and the model's identity."""
@@ -210,10 +224,11 @@ class LocalEngine:
     def key(self) -> str:
         return self.worker.key()
 
-    def run(self, sources: list[Source]) -> Iterator[tuple[Source, dict, bytes | None]]:
+    def run(self, sources: list[Source]) -> Iterator[tuple[int, dict, bytes | None]]:
+        """Results in input order, each with its index in `sources`."""
         from klevict_cli.documents import read_source
 
-        for source in sources:
+        for index, source in enumerate(sources):
             def progress(done: int, total: int, path=source.path) -> None:
                 if self.on_tokens is not None:
                     self.on_tokens(path, done, total)
@@ -221,9 +236,9 @@ class LocalEngine:
             try:
                 data = read_source(source.path)
             except DocumentError as exc:
-                yield source, failed(source, exc), None
+                yield index, failed(source, exc), None
                 continue
-            yield source, *self.worker.compress(source.path, source.kvc, data, progress)
+            yield index, *self.worker.compress(source.path, source.kvc, data, progress)
 
     def close(self) -> None:
         pass
@@ -304,8 +319,9 @@ def prepare_folder(folder: Path) -> None:
 
 def run_batch(sources: list[Source], folder: Path, engine,
               on_record: Callable[[dict], None] = lambda record: None) -> dict[str, int]:
-    """Compress `sources` into `folder` with `engine`; each `.kvc` is written as it arrives, manifest lines in
-    input order. Returns counts of ok, skipped and failed documents."""
+    """Compress `sources` into `folder` with `engine`. Each `.kvc` is written as soon as it arrives, its manifest
+    line once those of the documents before it are written, so that every engine writes the same manifest.
+    Returns counts of ok, skipped and failed documents."""
     from klevict_cli.files import write_atomically
 
     manifest = Manifest(folder)
@@ -326,14 +342,20 @@ def run_batch(sources: list[Source], folder: Path, engine,
             manifest.add(record)
         counts[record["status"]] += 1
         on_record(record)
-    for _source, record, blob in engine.run(todo):
+    waiting: dict[int, dict] = {}
+    next_line = 0
+    for index, record, blob in engine.run(todo):
         if blob is not None:
             try:
                 write_atomically(folder / record["kvc"], blob)
             except OSError as exc:
                 raise OutputError(f"{folder / record['kvc']}: cannot write the cache ({exc.strerror or exc})") \
                     from None
-        manifest.add(record)
-        counts[record["status"]] += 1
-        on_record(record)
+        waiting[index] = record
+        while next_line in waiting:
+            record = waiting.pop(next_line)
+            next_line += 1
+            manifest.add(record)
+            counts[record["status"]] += 1
+            on_record(record)
     return counts

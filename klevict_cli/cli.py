@@ -481,7 +481,9 @@ def check_stdout_for_binary(opts: dict) -> None:
 @app.command()
 @handle_errors
 def ask(
-    cache_file: Annotated[Path, typer.Argument(help="A .kvc file made by `klevict compress`.")],
+    cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
+                                                      "a folder of them (a batch's OUTDIR/): one result per cache.",
+                                                      show_default=False)],
     question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
@@ -492,10 +494,19 @@ def ask(
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
                            quiet=quiet)
     questions = _questions(question)
+    if len(cache_files) > 1 or cache_files[0].is_dir():
+        ask_many(opts, cache_files, questions)
+        return
+    cache_file = cache_files[0]
     if opts["model"] is None:
         opts["model"] = model_of(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
+    answer_all(opts, session, stream, meta, questions)
+
+
+def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:
+    """Answer each question from one loaded cache; --json lines carry `tag` (which cache) first."""
     budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
     for i, q in enumerate(questions):
         if i and not opts["json"]:
@@ -503,9 +514,49 @@ def ask(
         answer = generate(opts, session, stream, q, meta["position_mode"],
                           method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:
-            emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
+            emit_json({**tag, "question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
                        "first_token_seconds": round(answer["first_token_seconds"], 4),
                        "seconds": round(answer["seconds"], 3)})
+
+
+def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
+    """The same questions to every cache, with one model load. A cache that cannot be used is reported (an error
+    line, or a JSON line with status failed) and the others are still answered; then the exit code is 8."""
+    from klevict_cli.batch import EXIT_SOME_FAILED, cache_paths
+
+    caches = cache_paths(paths)
+    if opts["model"] is None:
+        opts["model"] = first_model(caches)
+    session = session_for(opts)
+    failures = 0
+    for i, path in enumerate(caches):
+        source = None
+        try:
+            stream, meta = session.load(path)
+            source = meta.get("source_name")
+            if not opts["json"]:
+                echo(("\n" if i else "") + f"==> {path} ({source}) <==")
+            answer_all(opts, session, stream, meta, questions, cache=str(path), source=source, status="ok")
+        except KlevictError as exc:  # a bad cache, or a question that does not fit after this one
+            failures += 1
+            if opts["json"]:
+                emit_json({"cache": str(path), "source": source, "status": "failed", "error": type(exc).__name__,
+                           "message": str(exc)})
+            else:
+                say(f"error: {exc}")
+    if failures:
+        raise typer.Exit(EXIT_SOME_FAILED)
+
+
+def first_model(caches: list[Path]) -> str:
+    """The model that made the first cache that names a usable one (the others must match it)."""
+    first_error = None
+    for path in caches:
+        try:
+            return model_of(path)
+        except KlevictError as exc:
+            first_error = first_error or exc
+    raise first_error
 
 
 def model_of(cache_file: Path) -> str:

@@ -8,6 +8,7 @@ order; `ask OUTDIR/` answers from every cache with one model load.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,55 @@ def test_one_input_and_a_kvc_name_behaves_as_before(corpus, model, tmp_path):
 def test_expand_inputs_dedupes_and_orders(corpus):
     paths = batch.expand_inputs([str(corpus / "doc1.txt"), str(corpus), str(corpus / "*.txt")])
     assert paths[0] == str(corpus / "doc1.txt") and len(paths) == len(set(paths)) == 5
+
+
+def test_without_ray_the_error_names_the_extra(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    assert_error(invoke("compress", corpus / "doc0.txt", "-o", f"{tmp_path}/", "--engine", "ray"), 2,
+                 "klevict[ray]")
+
+
+# ---- ask across caches ---------------------------------------------------------------------------------------
+@pytest.fixture
+def outdir(corpus, model, tmp_path) -> Path:
+    out = tmp_path / "caches"
+    assert_ok(invoke("compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", f"{out}/", "--model", model,
+                     *FAST_BATCH))
+    return out
+
+
+def test_ask_a_folder_answers_from_every_cache_with_one_model_load(outdir, corpus, monkeypatch):
+    loads = []
+    real = cli._session.__wrapped__
+    cli._session.cache_clear()
+    monkeypatch.setattr(cli, "_session", lambda *a: loads.append(a) or real(*a))
+    result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")
+    assert_ok(result)
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [Path(a["cache"]).name for a in answers] == ["doc0.kvc", "doc1.kvc"]
+    assert [a["source"] for a in answers] == [str(corpus / "doc0.txt"), str(corpus / "doc1.txt")]
+    assert all(a["status"] == "ok" and a["question"] == "Who is Ishmael?" for a in answers)
+    assert len(loads) == 1
+    single = invoke("ask", outdir / "doc1.kvc", "Who is Ishmael?", *GEN, "--json")
+    assert json.loads(single.stdout)["answer"] == answers[1]["answer"]
+
+
+def test_ask_several_files_plain_output_names_each_cache(outdir):
+    result = invoke("ask", outdir / "doc1.kvc", outdir / "doc0.kvc", "Who is Ishmael?", *GEN)
+    assert_ok(result)
+    headers = [line for line in result.stdout.splitlines() if line.startswith("==> ")]
+    assert [Path(h.split()[1]).name for h in headers] == ["doc1.kvc", "doc0.kvc"]
+
+
+def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
+    (outdir / "bad.kvc").write_bytes(b"not a cache")
+    result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")
+    _no_crash(result)
+    assert result.exit_code == EXIT_SOME_FAILED, _show(result)
+    answers = {Path(a["cache"]).name: a for a in map(json.loads, result.stdout.splitlines())}
+    assert answers["bad.kvc"]["status"] == "failed" and answers["bad.kvc"]["error"] == "CacheFileError"
+    assert answers["doc0.kvc"]["status"] == answers["doc1.kvc"]["status"] == "ok"
+
+
+def test_ask_an_empty_folder_is_a_usage_error(tmp_path):
+    assert_error(invoke("ask", tmp_path, "Who?"), 2, "no .kvc files")
