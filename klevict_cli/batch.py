@@ -185,9 +185,10 @@ class Worker:
         self.session = session_for(opts)
         self.settings = read_settings(opts, reconstruct_default=True)
         check_session(self.session, self.settings)
+        self._key = settings_key(opts, self.session.identity())
 
     def key(self) -> str:
-        return settings_key(self.opts, self.session.identity())
+        return self._key
 
     def compress(self, path: str, kvc: str, data: bytes,
                  progress: Callable[[int, int], None] | None = None) -> tuple[dict, bytes | None]:
@@ -205,7 +206,7 @@ class Worker:
             dtype = getattr(torch, self.opts["cache_dtype"]) if self.opts.get("cache_dtype") else None
             cache = self.session.cache_file(result, cache_dtype=dtype)
             kept = sum(sum(c) for c in result.stream.cache.kept_counts())
-            cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self.key(),
+            cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self._key,
                                   kept_entries=str(kept))
             blob = encode_kvc(cache, kvc)
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong

@@ -461,7 +461,7 @@ def report_record(opts: dict, record: dict) -> None:
     if opts["json"]:
         emit_json(record)
     elif record["status"] == "failed":
-        echo(f"failed {record['source']}: {record['message']}")
+        echo(f"failed {record['source']}: {(record['message'].splitlines() or [record['error']])[0]}")
     elif record["status"] == "skipped":
         echo(f"skipped {record['source']}: {record['kvc']} is up to date")
     else:
