@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from klevict_cli.errors import DocumentError, KlevictError, OutputError, UsageError
+from klevict_cli.errors import CacheFileError, DocumentError, KlevictError, OutputError, UsageError
 
 MANIFEST = "manifest.jsonl"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf")  # what a folder given as input contributes
@@ -151,7 +151,7 @@ def cache_paths(args: Iterable[Path]) -> list[Path]:
         if arg.is_dir():
             found = sorted(arg.glob("*.kvc"))
             if not found:
-                raise UsageError(f"{arg}: no .kvc files in this folder")
+                raise CacheFileError(f"{arg}: is a folder with no .kvc files in it")
             caches.extend(found)
         else:
             caches.append(arg)

@@ -235,5 +235,5 @@ def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
     assert answers["doc0.kvc"]["status"] == answers["doc1.kvc"]["status"] == "ok"
 
 
-def test_ask_an_empty_folder_is_a_usage_error(tmp_path):
-    assert_error(invoke("ask", tmp_path, "Who?"), 2, "no .kvc files")
+def test_ask_a_folder_without_caches_is_a_bad_cache(tmp_path):
+    assert_error(invoke("ask", tmp_path, "Who?"), 4, "no .kvc files")
