@@ -32,7 +32,7 @@ from klevict_cli.options import (
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
-130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
+8 some documents or caches of a batch failed (the rest were done); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
 
 app = typer.Typer(
     name="klevict",
@@ -218,31 +218,30 @@ def session_for(opts: dict):
         return _session(opts["model"], opts["device"], opts["dtype"], quiet)
 
 
-def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
-    from klevict_cli.documents import load_document
+def read_settings(opts: dict, reconstruct_default: bool = False):
+    """The reading settings the options ask for (shared by one document and a batch of them)."""
     from klevict_cli.session import ReadSettings
 
-    budget = parse_budget(str(opts["budget"]))
     reconstruct = opts.get("reconstruct")
-    settings = ReadSettings(
+    return ReadSettings(
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
-        budget=budget, method=opts["method"], chunk_size=opts["chunk_size"], probe_window=opts["probe_window"],
-        position_mode=opts["position_mode"], seed=opts["seed"], max_new_tokens=opts["max_new_tokens"],
+        budget=parse_budget(str(opts["budget"])), method=opts["method"], chunk_size=opts["chunk_size"],
+        probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
+        max_new_tokens=opts["max_new_tokens"],
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
+
+
+def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
+    from klevict_cli.documents import load_document
+
+    settings = read_settings(opts, reconstruct_default)
     document = load_document(source)
     for line in document.notes:
         note(opts, f"note: {line}")
     session = session_for(opts)
-    if settings.chunk_size > session.adapter.max_positions:
-        raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
-                         f" {session.adapter.max_positions} positions")
-    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
-    if settings.max_memory is not None and settings.max_memory < floor:
-        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
-                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
-                            " --model")
+    check_session(session, settings)
     # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
     prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
     with progress_bar(opts["quiet"]) as bar:
@@ -256,6 +255,18 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in result.notes:
         note(opts, f"note: {line}")
     return session, result
+
+
+def check_session(session, settings) -> None:
+    """Refuse settings that no document could meet with this model, before reading any."""
+    if settings.chunk_size > session.adapter.max_positions:
+        raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
+                         f" {session.adapter.max_positions} positions")
+    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
+    if settings.max_memory is not None and settings.max_memory < floor:
+        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
+                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
+                            " --model")
 
 
 def generate(opts: dict, session, stream, question: str, mode: str, **policy) -> dict:
@@ -340,9 +351,20 @@ def summarize(
 @app.command()
 @handle_errors
 def compress(
-    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    files: Annotated[list[str], typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin; or several "
+                                               "documents, folders and globs ('docs/*.md') for a batch into -o "
+                                               "OUTDIR/.", show_default=False)],
     output: Annotated[str | None, typer.Option("--output", "-o", help="Where to write the .kvc file; - (or "
-                                               "/dev/stdout) writes it to standard output.")] = None,
+                                               "/dev/stdout) writes it to standard output. For a batch, a folder "
+                                               "(OUTDIR/): one .kvc per document plus manifest.jsonl.")] = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="Batch: take only shard i of n (i/n, i from 0), "
+                                              "chosen by each document's sha256.")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="Batch: local (this process) or ray (a Ray cluster; "
+                                        "pip install 'klevict[ray]').")] = "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", envvar="RAY_ADDRESS", help="Ray cluster to "
+                                                    "join (default: $RAY_ADDRESS, else a local one starts).")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", help="Ray: model-holding actors (default: one per "
+                                                "CPU of the cluster, at most one per document).")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
     probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
@@ -350,15 +372,24 @@ def compress(
                                                     "or bfloat16 (default: the model's dtype).")] = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
-    """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout."""
+    """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout. Many
+    documents: one .kvc each in OUTDIR/ and a line each in OUTDIR/manifest.jsonl, one model load, resumable."""
     import torch
 
+    from klevict_cli.batch import is_batch
     from klevict_cli.kvc import encode_kvc, save_kvc
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct)
+    check_choice("engine", engine, ("local", "ray"))
+    if workers is not None:
+        check_positive_int("workers", workers)
+    if is_batch(files, opts.get("output")) or shard is not None or engine != "local":
+        compress_batch(opts, files, shard, engine, ray_address, workers)
+        return
+    file = files[0]
     if not opts.get("output"):
         raise UsageError("missing --output/-o: where to write the .kvc file (- for standard output)")
     output = Path(opts["output"])
@@ -386,6 +417,58 @@ def compress(
         echo(line)
 
 
+def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str, ray_address: str | None,
+                   workers: int | None) -> None:
+    """Wire `compress`'s options to klevict_cli.batch: one result line per document on stdout (--json: one JSON
+    line each), a summary, and exit 8 if any document failed."""
+    from klevict_cli import batch
+
+    shard_ = batch.parse_shard(shard)
+    folder = batch.output_folder(inputs, opts.get("output"))
+    sources = batch.plan_sources(batch.expand_inputs(inputs), shard_)
+    batch.prepare_folder(folder)
+    with progress_bar(opts["quiet"], unit="documents") as bar:
+        docs = bar.add_task("documents", total=len(sources))
+        reading = bar.add_task("", total=None, visible=False)
+
+        def on_tokens(path: str, done: int, total: int) -> None:
+            bar.update(reading, completed=done, total=total, visible=True, description=f"reading {shown(path)}")
+
+        def on_record(record: dict) -> None:
+            bar.advance(docs)
+            bar.update(reading, visible=False)
+            report_record(opts, record)
+
+        if engine == "ray":
+            from klevict_cli.batch_ray import RayEngine
+
+            runner = RayEngine(opts, address=ray_address, workers=workers, documents=len(sources),
+                               note=lambda line: note(opts, line))
+        else:
+            runner = batch.LocalEngine(opts, on_tokens)
+        try:
+            counts = batch.run_batch(sources, folder, runner, on_record)
+        finally:
+            runner.close()
+    summary = (f"{counts['ok']} compressed, {counts['skipped']} already done, {counts['failed']} failed;"
+               f" manifest {folder / batch.MANIFEST}")
+    (note(opts, summary) if opts["json"] else echo(summary))
+    if counts["failed"]:
+        raise typer.Exit(batch.EXIT_SOME_FAILED)
+
+
+def report_record(opts: dict, record: dict) -> None:
+    if opts["json"]:
+        emit_json(record)
+    elif record["status"] == "failed":
+        echo(f"failed {record['source']}: {(record['message'].splitlines() or [record['error']])[0]}")
+    elif record["status"] == "skipped":
+        echo(f"skipped {record['source']}: {record['kvc']} is up to date")
+    else:
+        echo(f"wrote {record['kvc']} from {record['source']}: {record['document_tokens']} tokens, "
+             f"{record['kept_entries']} entries kept, {record['bytes'] / 1e6:.2f} MB in {record['seconds']:.1f} s")
+
+
 def check_stdout_for_binary(opts: dict) -> None:
     """`-o -` puts the .kvc bytes on stdout: nothing else may go there, and a terminal is no place for them."""
     if opts["json"]:
@@ -398,7 +481,9 @@ def check_stdout_for_binary(opts: dict) -> None:
 @app.command()
 @handle_errors
 def ask(
-    cache_file: Annotated[Path, typer.Argument(help="A .kvc file made by `klevict compress`.")],
+    cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
+                                                      "a folder of them (a batch's OUTDIR/): one result per cache.",
+                                                      show_default=False)],
     question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
@@ -409,10 +494,19 @@ def ask(
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
                            quiet=quiet)
     questions = _questions(question)
+    if len(cache_files) > 1 or cache_files[0].is_dir():
+        ask_many(opts, cache_files, questions)
+        return
+    cache_file = cache_files[0]
     if opts["model"] is None:
         opts["model"] = model_of(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
+    answer_all(opts, session, stream, meta, questions)
+
+
+def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:
+    """Answer each question from one loaded cache; --json lines carry `tag` (which cache) first."""
     budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
     for i, q in enumerate(questions):
         if i and not opts["json"]:
@@ -420,9 +514,49 @@ def ask(
         answer = generate(opts, session, stream, q, meta["position_mode"],
                           method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:
-            emit_json({"question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
+            emit_json({**tag, "question": q, "answer": answer["text"], "new_tokens": answer["new_tokens"],
                        "first_token_seconds": round(answer["first_token_seconds"], 4),
                        "seconds": round(answer["seconds"], 3)})
+
+
+def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
+    """The same questions to every cache, with one model load. A cache that cannot be used is reported (an error
+    line, or a JSON line with status failed) and the others are still answered; then the exit code is 8."""
+    from klevict_cli.batch import EXIT_SOME_FAILED, cache_paths
+
+    caches = cache_paths(paths)
+    if opts["model"] is None:
+        opts["model"] = first_model(caches)
+    session = session_for(opts)
+    failures = 0
+    for i, path in enumerate(caches):
+        source = None
+        try:
+            stream, meta = session.load(path)
+            source = meta.get("source_name")
+            if not opts["json"]:
+                echo(("\n" if i else "") + f"==> {path} ({source}) <==")
+            answer_all(opts, session, stream, meta, questions, cache=str(path), source=source, status="ok")
+        except KlevictError as exc:  # a bad cache, or a question that does not fit after this one
+            failures += 1
+            if opts["json"]:
+                emit_json({"cache": str(path), "source": source, "status": "failed", "error": type(exc).__name__,
+                           "message": str(exc)})
+            else:
+                say(f"error: {exc}")
+    if failures:
+        raise typer.Exit(EXIT_SOME_FAILED)
+
+
+def first_model(caches: list[Path]) -> str:
+    """The model that made the first cache that names a usable one (the others must match it)."""
+    first_error = None
+    for path in caches:
+        try:
+            return model_of(path)
+        except KlevictError as exc:
+            first_error = first_error or exc
+    raise first_error
 
 
 def model_of(cache_file: Path) -> str:

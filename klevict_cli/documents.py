@@ -48,9 +48,17 @@ def load_document(source: str) -> Document:
     naming the file.
     """
     if source == "-":
-        name, data = STDIN_NAME, _read_stdin()
-    else:
-        name, data = source, _read_file(Path(source))
+        return document_from_bytes(STDIN_NAME, _read_stdin())
+    return document_from_bytes(source, read_source(source))
+
+
+def read_source(source: str) -> bytes:
+    """The raw bytes of a document file; a batch hashes them to shard and resume without extracting any text."""
+    return _read_file(Path(source))
+
+
+def document_from_bytes(name: str, data: bytes) -> Document:
+    """The document in `data`, named `name` in messages: a batch worker may get the bytes, not the file."""
     if not data:
         raise DocumentError(f"{name}: is empty" + (" (nothing was piped in)" if name == STDIN_NAME else ""))
     is_pdf = data.startswith(b"%PDF-") or (name != STDIN_NAME and name.lower().endswith(".pdf"))

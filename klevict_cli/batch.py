@@ -1,0 +1,362 @@
+"""Compress a corpus: many documents, one model load, one `.kvc` each and a `manifest.jsonl` that records them all.
+
+A batch must survive what a corpus throws at it: a bad document is recorded as failed and the rest go on; an
+interrupted batch resumes where it stopped, because a document whose `.kvc` already holds the same source bytes
+(sha256) read with the same settings by the same model is skipped; `--shard i/n` splits the work by source hash, so
+any scheduler can run the shards with no coordination. The driver here does all the file writing (each `.kvc` and
+each manifest line atomically); a worker only turns document bytes into `.kvc` bytes, so the same worker runs in
+this process or on a Ray cluster (klevict_cli.batch_ray) and the outputs are the same.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from klevict_cli.errors import CacheFileError, DocumentError, KlevictError, OutputError, UsageError
+
+MANIFEST = "manifest.jsonl"
+DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf")  # what a folder given as input contributes
+EXIT_SOME_FAILED = 8
+_GLOB_MAGIC = re.compile(r"[*?[]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass
+class Source:
+    """One input document as the driver sees it, before any model work."""
+
+    path: str
+    kvc: str  # the output file name inside OUTDIR
+    sha256: str | None  # of the raw bytes; None when the file cannot be read
+    error: KlevictError | None = None
+
+
+# ---- what to do ----------------------------------------------------------------------------------------------
+def expand_inputs(inputs: Iterable[str]) -> list[str]:
+    """Files, folders (their documents, recursively) and globs, in a stable order, each path once.
+
+    A glob that matches nothing is a mistake in the command (exit 2, before the model loads); a plain path that
+    does not exist is a document that fails, recorded like any other.
+    """
+    paths: list[str] = []
+    for arg in inputs:
+        if arg == "-":
+            raise UsageError("standard input (-) cannot be one of several documents; give file names")
+        if os.path.isdir(arg):
+            found = sorted(str(p) for p in Path(arg).rglob("*")
+                           if p.suffix.lower() in DOCUMENT_SUFFIXES and p.is_file())
+            if not found:
+                raise UsageError(f"{arg}: no documents in this folder ({', '.join(DOCUMENT_SUFFIXES)})")
+            paths.extend(found)
+        elif not os.path.exists(arg) and _GLOB_MAGIC.search(arg):
+            found = sorted(p for p in glob.glob(arg, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise UsageError(f"{arg}: no file matches this pattern")
+            paths.extend(found)
+        else:
+            paths.append(arg)
+    seen: set[str] = set()
+    unique = []
+    for path in paths:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def is_batch(inputs: list[str], output: str | None) -> bool:
+    """Several inputs, a folder or glob among them, or `-o OUTDIR/`: otherwise `compress` works as for one file."""
+    if output and output.endswith(("/", os.sep)):
+        return True
+    return len(inputs) > 1 or any(os.path.isdir(a) or (not os.path.exists(a) and _GLOB_MAGIC.search(a))
+                                  for a in inputs)
+
+
+def output_folder(inputs: list[str], output: str | None) -> Path:
+    """The batch's OUTDIR: given with a trailing /, an existing folder, or (for several inputs) a new name that
+    does not look like a `.kvc` file."""
+    if not output:
+        raise UsageError("missing --output/-o: the folder for the .kvc files (e.g. -o caches/)")
+    if output in ("-", "/dev/stdout"):
+        raise UsageError("several documents cannot go to standard output; give a folder, e.g. -o caches/")
+    path = Path(output)
+    if output.endswith(("/", os.sep)) or path.is_dir():
+        return path
+    if path.exists() or path.suffix.lower() == ".kvc":
+        raise UsageError(f"-o {output} is a file; several documents need a folder (end it with /, e.g. -o caches/)")
+    return path
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """`i/n` with 0 <= i < n: this run takes shard i of n."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"(\d{1,6})/(\d{1,6})", text.strip())
+    if not match or int(match[2]) < 1 or int(match[1]) >= int(match[2]):
+        raise UsageError(f"invalid --shard {text!r}; give i/n with i from 0 to n-1, e.g. 0/4")
+    return int(match[1]), int(match[2])
+
+
+def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
+    """Whether a document whose hash is `key` (hex) belongs to the shard: the same answer in every run."""
+    return shard is None or int(key[:16], 16) % shard[1] == shard[0]
+
+
+def kvc_names(paths: list[str]) -> dict[str, str]:
+    """Output names from the file names; names that would collide (case aside) all get a hash of their path.
+
+    Computed over every input, before sharding, so that each shard names its documents as the whole batch does.
+    """
+    stems = {p: (_UNSAFE.sub("_", Path(p).stem).strip("._") or "document") for p in paths}
+    counts: dict[str, int] = {}
+    for stem in stems.values():
+        counts[stem.lower()] = counts.get(stem.lower(), 0) + 1
+    names = {}
+    for path, stem in stems.items():
+        if counts[stem.lower()] > 1:
+            stem = f"{stem}-{hashlib.sha256(os.path.normpath(path).encode()).hexdigest()[:8]}"
+        names[path] = stem + ".kvc"
+    return names
+
+
+def plan_sources(paths: list[str], shard: tuple[int, int] | None) -> list[Source]:
+    """Hash each file's bytes and keep this shard's; an unreadable file is sharded by its path and fails later."""
+    from klevict_cli.documents import read_source
+
+    names = kvc_names(paths)
+    sources = []
+    for path in paths:
+        try:
+            digest, error = hashlib.sha256(read_source(path)).hexdigest(), None
+        except DocumentError as exc:
+            digest, error = None, exc
+        if in_shard(digest or hashlib.sha256(path.encode()).hexdigest(), shard):
+            sources.append(Source(path, names[path], digest, error))
+    return sources
+
+
+def cache_paths(args: Iterable[Path]) -> list[Path]:
+    """The caches `ask` answers from: `.kvc` files as given, and the `.kvc` files in each folder, by name."""
+    caches: list[Path] = []
+    for arg in args:
+        if arg.is_dir():
+            found = sorted(arg.glob("*.kvc"))
+            if not found:
+                raise CacheFileError(f"{arg}: is a folder with no .kvc files in it")
+            caches.extend(found)
+        else:
+            caches.append(arg)
+    return caches
+
+
+# ---- the worker: bytes in, .kvc bytes out ----------------------------------------------------------------------
+def settings_key(opts: dict, identity: dict[str, str]) -> str:
+    """What must match for an existing `.kvc` to count as done: every reading setting and the model's identity."""
+    from klevict_cli.cli import read_settings
+
+    settings = read_settings(opts, reconstruct_default=True)
+    key = {
+        "budget": str(settings.budget), "method": settings.method, "chunk_size": settings.chunk_size,
+        "probe_window": settings.probe_window, "position_mode": settings.position_mode, "seed": settings.seed,
+        "working": str(settings.working), "reconstruct": settings.reconstruct,
+        "max_new_tokens": settings.max_new_tokens, "max_memory": settings.max_memory,
+        "cache_dtype": opts.get("cache_dtype"), **identity,
+    }
+    return json.dumps(key, sort_keys=True)
+
+
+class Worker:
+    """One model load that compresses documents given as bytes; it never writes a file, so a worker killed
+    mid-document leaves nothing behind."""
+
+    def __init__(self, opts: dict):
+        from klevict_cli.cli import check_session, read_settings, session_for
+
+        self.opts = opts
+        self.session = session_for(opts)
+        self.settings = read_settings(opts, reconstruct_default=True)
+        check_session(self.session, self.settings)
+        self._key = settings_key(opts, self.session.identity())
+
+    def key(self) -> str:
+        return self._key
+
+    def compress(self, path: str, kvc: str, data: bytes,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[dict, bytes | None]:
+        """The manifest record and the `.kvc` bytes (None if the document failed) for one document."""
+        import torch
+
+        from klevict_cli.documents import document_from_bytes
+        from klevict_cli.kvc import encode_kvc
+
+        record = {"source": path, "source_sha256": hashlib.sha256(data).hexdigest(), "kvc": kvc}
+        start = time.perf_counter()
+        try:
+            document = document_from_bytes(path, data)
+            result = self.session.read(document, self.settings, progress)
+            dtype = getattr(torch, self.opts["cache_dtype"]) if self.opts.get("cache_dtype") else None
+            cache = self.session.cache_file(result, cache_dtype=dtype)
+            kept = sum(sum(c) for c in result.stream.cache.kept_counts())
+            cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self._key,
+                                  kept_entries=str(kept))
+            blob = encode_kvc(cache, kvc)
+        except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
+            return {**record, "status": "failed", "error": type(exc).__name__, "message": str(exc)}, None
+        return {**record, "document_tokens": result.document_tokens, "kept_entries": kept, "bytes": len(blob),
+                "seconds": round(time.perf_counter() - start, 3), "status": "ok"}, blob
+
+
+class LocalEngine:
+    """The batch in this process: one model load, documents one after another in input order."""
+
+    def __init__(self, opts: dict, on_tokens: Callable[[str, int, int], None] | None = None):
+        self.worker = Worker(opts)
+        self.on_tokens = on_tokens
+
+    def key(self) -> str:
+        return self.worker.key()
+
+    def run(self, sources: list[Source]) -> Iterator[tuple[int, dict, bytes | None]]:
+        """Results in input order, each with its index in `sources`."""
+        from klevict_cli.documents import read_source
+
+        for index, source in enumerate(sources):
+            def progress(done: int, total: int, path=source.path) -> None:
+                if self.on_tokens is not None:
+                    self.on_tokens(path, done, total)
+
+            try:
+                data = read_source(source.path)
+            except DocumentError as exc:
+                yield index, failed(source, exc), None
+                continue
+            yield index, *self.worker.compress(source.path, source.kvc, data, progress)
+
+    def close(self) -> None:
+        pass
+
+
+def failed(source: Source, exc: Exception) -> dict:
+    return {"source": source.path, "source_sha256": source.sha256, "kvc": source.kvc, "status": "failed",
+            "error": type(exc).__name__, "message": str(exc)}
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+class Manifest:
+    """`manifest.jsonl`: one line per document, each appended with a single write (whole lines, even from several
+    shards at once); the last line for a source is its current state."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / MANIFEST
+        self.done: set[tuple[str, str]] = set()  # (kvc, source sha256) recorded as ok
+        try:
+            text = self.path.read_bytes().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot read it ({exc.strerror or exc})") from None
+        if text and not text.endswith("\n"):  # a line torn by a crash: never glue the next one onto it
+            self._append(b"\n")
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("status") == "ok":
+                self.done.add((entry.get("kvc"), entry.get("source_sha256")))
+
+    def add(self, record: dict) -> None:
+        self._append((json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode())
+        if record["status"] == "ok":
+            self.done.add((record["kvc"], record["source_sha256"]))
+
+    def _append(self, data: bytes) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError("short write")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot write it ({exc.strerror or exc})") from None
+
+
+def finished(folder: Path, source: Source, key: str) -> dict | None:
+    """The manifest record of `source`'s existing `.kvc` if it was made from the same bytes with the same settings
+    and model, else None (then the document is read again)."""
+    from klevict_cli.kvc import read_metadata
+
+    try:
+        meta = read_metadata(folder / source.kvc)
+    except KlevictError:
+        return None
+    if meta.get("source_file_sha256") != source.sha256 or meta.get("batch_settings") != key:
+        return None
+    return {"source": source.path, "source_sha256": source.sha256, "kvc": source.kvc,
+            "document_tokens": int(meta.get("document_tokens", 0)), "kept_entries": int(meta.get("kept_entries", 0)),
+            "bytes": int(meta["file_size"]), "seconds": None, "status": "ok"}
+
+
+def prepare_folder(folder: Path) -> None:
+    from klevict_cli.files import check_destination
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"-o {folder}: cannot create the folder ({exc.strerror or exc})") from None
+    check_destination(folder / MANIFEST, "-o")
+
+
+def run_batch(sources: list[Source], folder: Path, engine,
+              on_record: Callable[[dict], None] = lambda record: None) -> dict[str, int]:
+    """Compress `sources` into `folder` with `engine`. Each `.kvc` is written as soon as it arrives, its manifest
+    line once those of the documents before it are written, so that every engine writes the same manifest.
+    Returns counts of ok, skipped and failed documents."""
+    from klevict_cli.files import write_atomically
+
+    manifest = Manifest(folder)
+    key = engine.key()
+    counts = {"ok": 0, "skipped": 0, "failed": 0}
+    todo = []
+    for source in sources:
+        if source.error is not None:
+            record = failed(source, source.error)
+        elif (record := finished(folder, source, key)) is not None:
+            if (source.kvc, source.sha256) not in manifest.done:  # written, then interrupted before its line
+                manifest.add(record)
+            record = {**record, "status": "skipped"}
+        else:
+            todo.append(source)
+            continue
+        if record["status"] == "failed":
+            manifest.add(record)
+        counts[record["status"]] += 1
+        on_record(record)
+    waiting: dict[int, dict] = {}
+    next_line = 0
+    for index, record, blob in engine.run(todo):
+        if blob is not None:
+            try:
+                write_atomically(folder / record["kvc"], blob)
+            except OSError as exc:
+                raise OutputError(f"{folder / record['kvc']}: cannot write the cache ({exc.strerror or exc})") \
+                    from None
+        waiting[index] = record
+        while next_line in waiting:
+            record = waiting.pop(next_line)
+            next_line += 1
+            manifest.add(record)
+            counts[record["status"]] += 1
+            on_record(record)
+    return counts

@@ -1,0 +1,239 @@
+"""Batch compression and questions across caches, through the CLI on a tiny in-process model.
+
+The contract: one `.kvc` per document in OUTDIR/ and one manifest line each; a bad document is recorded and the
+batch goes on (exit 8); a re-run skips what is done; `--shard i/n` splits by source hash whatever the argument
+order; `ask OUTDIR/` answers from every cache with one model load.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from klevict_cli import batch, cli
+from klevict_cli.batch import EXIT_SOME_FAILED, MANIFEST, in_shard, kvc_names, parse_shard
+from klevict_cli.errors import UsageError
+
+from .test_cli import DOC_TEXT, FAST, GEN, _no_crash, _show, assert_error, assert_ok, invoke, no_temp_files
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+FAST_BATCH = ["--budget", "48", *FAST, "--no-reconstruct"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return str(tiny_model_dir)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """Four small documents, two of them with the same file name in different folders."""
+    root = tmp_path / "corpus"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    paragraphs = DOC_TEXT.split("\n\n")
+    for i, text in enumerate(paragraphs):
+        (root / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    (root / "a" / "report.md").write_text(paragraphs[0] + " Alpha.", encoding="utf-8")
+    (root / "b" / "report.md").write_text(paragraphs[1] + " Beta.", encoding="utf-8")
+    return root
+
+
+def manifest(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / MANIFEST).read_text(encoding="utf-8").splitlines()]
+
+
+def tensors_of(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+# ---- pure helpers ----------------------------------------------------------------------------------------------
+def test_shard_parsing_and_membership():
+    assert parse_shard("1/4") == (1, 4) and parse_shard(None) is None
+    for bad in ("4/4", "1", "a/b", "-1/2", "0/0"):
+        with pytest.raises(UsageError):
+            parse_shard(bad)
+    keys = [f"{i:064x}" for i in range(0, 2**20, 9973)]
+    for n in (1, 3):
+        owners = [[i for i in range(n) if in_shard(k, (i, n))] for k in keys]
+        assert all(len(o) == 1 for o in owners)  # every document in exactly one shard
+
+
+def test_names_are_stable_and_collisions_get_a_path_hash():
+    names = kvc_names(["x/report.md", "y/Report.txt", "z/notes.pdf", "odd name!.txt"])
+    assert names["z/notes.pdf"] == "notes.kvc" and names["odd name!.txt"] == "odd_name.kvc"
+    assert names["x/report.md"] != names["y/Report.txt"]
+    assert names["x/report.md"].startswith("report-") and names["x/report.md"].endswith(".kvc")
+    assert kvc_names(["y/Report.txt", "x/report.md"]) == {k: v for k, v in names.items() if "report" in k.lower()}
+
+
+# ---- compress many -------------------------------------------------------------------------------------------
+def test_batch_writes_one_kvc_per_document_and_a_manifest(corpus, model, tmp_path):
+    out = tmp_path / "out"
+    result = invoke("compress", corpus, "-o", f"{out}/", "--model", model, *FAST_BATCH, "--json")
+    assert_ok(result)
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 5 and all(r["status"] == "ok" for r in records)
+    lines = manifest(out)
+    assert [r["source"] for r in lines] == [r["source"] for r in records]
+    assert sorted(p.name for p in out.glob("*.kvc")) == sorted(r["kvc"] for r in lines)
+    for r in lines:
+        assert r["bytes"] == (out / r["kvc"]).stat().st_size and r["document_tokens"] > 0 and r["kept_entries"] > 0
+    assert no_temp_files(out) == []
+    assert "5 compressed, 0 already done, 0 failed" in result.stderr
+
+
+def test_a_bad_document_is_recorded_and_the_batch_goes_on(corpus, model, tmp_path):
+    (corpus / "binary.txt").write_bytes(b"\x00\x01\x02" * 50)
+    out = tmp_path / "out"
+    result = invoke("compress", corpus / "binary.txt", corpus / "doc0.txt", corpus / "missing.txt", "-o", out,
+                    "--model", model, *FAST_BATCH)
+    _no_crash(result)
+    assert result.exit_code == EXIT_SOME_FAILED, _show(result)
+    status = {Path(r["source"]).name: r for r in manifest(out)}
+    assert status["doc0.txt"]["status"] == "ok"
+    assert status["binary.txt"]["status"] == "failed" and status["binary.txt"]["error"] == "DocumentError"
+    assert "binary" in status["binary.txt"]["message"]
+    assert status["missing.txt"]["status"] == "failed" and "no such file" in status["missing.txt"]["message"]
+    assert sorted(p.name for p in out.glob("*.kvc")) == ["doc0.kvc"]
+    assert "1 compressed, 0 already done, 2 failed" in result.stdout
+
+
+def test_rerun_skips_what_is_done_and_redoes_what_changed(corpus, model, tmp_path):
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH]
+    assert_ok(invoke(*args))
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.kvc")}
+    again = invoke(*args, "--json")
+    assert_ok(again)
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.kvc")} == first
+    assert len(manifest(out)) == 2  # nothing new to record
+    (corpus / "doc1.txt").write_text("A changed document about ships.", encoding="utf-8")
+    changed = invoke(*args, "--json")
+    assert [json.loads(line)["status"] for line in changed.stdout.splitlines()] == ["skipped", "ok"]
+    other_budget = invoke(*args[:-len(FAST_BATCH)], *FAST_BATCH[2:], "--budget", "40", "--json")
+    assert [json.loads(line)["status"] for line in other_budget.stdout.splitlines()] == ["ok", "ok"]
+
+
+def test_a_kvc_written_before_its_manifest_line_is_recorded_on_resume(corpus, model, tmp_path):
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH]
+    assert_ok(invoke(*args))
+    lines = (out / MANIFEST).read_text().splitlines()
+    (out / MANIFEST).write_text(lines[0] + "\n" + lines[1][:20])  # the second line torn by a crash
+    assert_ok(invoke(*args))
+    kept = (out / MANIFEST).read_text().splitlines()
+    assert kept[:2] == [lines[0], lines[1][:20]]  # the torn line is left alone, never glued to the next one
+    assert [json.loads(line)["kvc"] for line in kept[::2]] == ["doc0.kvc", "doc1.kvc"] and len(kept) == 3
+
+
+def test_shards_split_the_corpus_whatever_the_argument_order(corpus, model, tmp_path):
+    files = sorted(str(p) for p in corpus.rglob("*") if p.is_file())
+    seen = []
+    for i, order in ((0, files), (1, files[::-1]), (2, files[1:] + files[:1])):
+        out = tmp_path / f"shard{i}"
+        result = invoke("compress", *order, "-o", f"{out}/", "--shard", f"{i}/3", "--model", model, *FAST_BATCH)
+        assert_ok(result)
+        seen += [(r["source"], r["kvc"]) for r in manifest(out)] if (out / MANIFEST).exists() else []
+    assert sorted(s for s, _ in seen) == files
+    assert sorted(k for _, k in seen) == sorted(kvc_names(files).values())
+
+
+def test_batch_output_is_the_same_as_one_file_at_a_time(corpus, model, tmp_path):
+    out = tmp_path / "out"
+    assert_ok(invoke("compress", corpus / "doc2.txt", corpus / "doc0.txt", "-o", out, "--model", model,
+                     *FAST_BATCH))
+    assert_ok(invoke("compress", corpus / "doc0.txt", "-o", tmp_path / "one.kvc", "--model", model, *FAST_BATCH))
+    one, many = tensors_of(tmp_path / "one.kvc"), tensors_of(out / "doc0.kvc")
+    assert one.keys() == many.keys() and all((one[k] == many[k]).all() for k in one)
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--shard", "3/3"], "--shard"),
+    (["-o", "-"], "standard output"),
+    (["-o", "OUT.kvc"], "folder"),
+    (["--engine", "spark"], "--engine"),
+    (["--workers", "0"], "--workers"),
+])
+def test_batch_usage_errors(corpus, model, extra, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "--model", model, *FAST_BATCH]
+    if "-o" not in extra:
+        args += ["-o", "out/"]
+    assert_error(invoke(*args, *extra), 2, needle)
+
+
+def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded"))
+    assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,
+                 "no file matches")
+
+
+def test_one_input_and_a_kvc_name_behaves_as_before(corpus, model, tmp_path):
+    result = invoke("compress", corpus / "doc0.txt", "-o", tmp_path / "x.kvc", "--model", model, *FAST_BATCH)
+    assert_ok(result)
+    assert result.stdout.startswith("wrote ") and not (tmp_path / MANIFEST).exists()
+    assert_error(invoke("compress", corpus / "doc0.txt", "-o", tmp_path, "--model", model), 2, "directory")
+
+
+def test_expand_inputs_dedupes_and_orders(corpus):
+    paths = batch.expand_inputs([str(corpus / "doc1.txt"), str(corpus), str(corpus / "*.txt")])
+    assert paths[0] == str(corpus / "doc1.txt") and len(paths) == len(set(paths)) == 5
+
+
+def test_without_ray_the_error_names_the_extra(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    assert_error(invoke("compress", corpus / "doc0.txt", "-o", f"{tmp_path}/", "--engine", "ray"), 2,
+                 "klevict[ray]")
+
+
+# ---- ask across caches ---------------------------------------------------------------------------------------
+@pytest.fixture
+def outdir(corpus, model, tmp_path) -> Path:
+    out = tmp_path / "caches"
+    assert_ok(invoke("compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", f"{out}/", "--model", model,
+                     *FAST_BATCH))
+    return out
+
+
+def test_ask_a_folder_answers_from_every_cache_with_one_model_load(outdir, corpus, monkeypatch):
+    loads = []
+    real = cli._session.__wrapped__
+    cli._session.cache_clear()
+    monkeypatch.setattr(cli, "_session", lambda *a: loads.append(a) or real(*a))
+    result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")
+    assert_ok(result)
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [Path(a["cache"]).name for a in answers] == ["doc0.kvc", "doc1.kvc"]
+    assert [a["source"] for a in answers] == [str(corpus / "doc0.txt"), str(corpus / "doc1.txt")]
+    assert all(a["status"] == "ok" and a["question"] == "Who is Ishmael?" for a in answers)
+    assert len(loads) == 1
+    single = invoke("ask", outdir / "doc1.kvc", "Who is Ishmael?", *GEN, "--json")
+    assert json.loads(single.stdout)["answer"] == answers[1]["answer"]
+
+
+def test_ask_several_files_plain_output_names_each_cache(outdir):
+    result = invoke("ask", outdir / "doc1.kvc", outdir / "doc0.kvc", "Who is Ishmael?", *GEN)
+    assert_ok(result)
+    headers = [line for line in result.stdout.splitlines() if line.startswith("==> ")]
+    assert [Path(h.split()[1]).name for h in headers] == ["doc1.kvc", "doc0.kvc"]
+
+
+def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
+    (outdir / "bad.kvc").write_bytes(b"not a cache")
+    result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")
+    _no_crash(result)
+    assert result.exit_code == EXIT_SOME_FAILED, _show(result)
+    answers = {Path(a["cache"]).name: a for a in map(json.loads, result.stdout.splitlines())}
+    assert answers["bad.kvc"]["status"] == "failed" and answers["bad.kvc"]["error"] == "CacheFileError"
+    assert answers["doc0.kvc"]["status"] == answers["doc1.kvc"]["status"] == "ok"
+
+
+def test_ask_a_folder_without_caches_is_a_bad_cache(tmp_path):
+    assert_error(invoke("ask", tmp_path, "Who?"), 4, "no .kvc files")
