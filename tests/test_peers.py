@@ -128,6 +128,19 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
 
 
+def assert_max_of_restricted_attention(got, weights, inside, judged, factor):
+    """By loops: each judged entry's score is the max over its group's query heads h and the rows t of its attention
+    renormalised over `inside`, times factor(h, t, j); 0 for entries not judged (2 query heads per KV head)."""
+    for kv in range(inside.shape[0]):
+        for j in range(inside.shape[1]):
+            best = 0.0
+            for h in (2 * kv, 2 * kv + 1):
+                for t in range(weights.shape[1]):
+                    row = weights[h, t] * inside[kv]
+                    best = max(best, float(row[j] / row.sum()) * factor(h, t, j))
+            assert got[kv, j].item() == pytest.approx(best if judged[kv, j] else 0.0, rel=1e-5)
+
+
 # ---- kvzip -----------------------------------------------------------------------------------------------------
 def test_restricted_max_attention_matches_a_loop():
     torch.manual_seed(0)
@@ -135,14 +148,7 @@ def test_restricted_max_attention_matches_a_loop():
     inside = torch.rand(2, 10) > 0.3
     judged = inside & (torch.arange(10) < 6)
     got = restricted_max_attention(weights, inside, judged)
-    for kv in range(2):
-        for j in range(10):
-            best = 0.0
-            for h in (2 * kv, 2 * kv + 1):
-                for t in range(3):
-                    row = weights[h, t] * inside[kv]
-                    best = max(best, float(row[j] / row.sum()))
-            assert got[kv, j].item() == pytest.approx(best if judged[kv, j] else 0.0, rel=1e-5)
+    assert_max_of_restricted_attention(got, weights, inside, judged, lambda h, t, j: 1.0)
 
 
 def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
@@ -235,14 +241,7 @@ def test_input_times_gradient_matches_a_loop():
     judged = inside & (torch.arange(8) >= 2)
     grads, values = torch.rand(3), torch.rand(4, 8)
     got = input_times_gradient(weights, inside, judged, grads, values)
-    for kv in range(2):
-        for j in range(8):
-            best = 0.0
-            for h in (2 * kv, 2 * kv + 1):
-                for t in range(3):
-                    row = weights[h, t] * inside[kv]
-                    best = max(best, float(row[j] / row.sum() * values[h, j] * grads[t]))
-            assert got[kv, j].item() == pytest.approx(best if judged[kv, j] else 0.0, rel=1e-5)
+    assert_max_of_restricted_attention(got, weights, inside, judged, lambda h, t, j: float(values[h, j] * grads[t]))
 
 
 def test_output_gradient_norms_are_those_of_a_plain_forward(model):
