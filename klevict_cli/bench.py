@@ -282,7 +282,8 @@ def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
     return reference, methods
 
 
-def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick) -> dict:
+def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
+                 publish: Callable[[dict], None] = lambda block: None) -> dict:
     bos = bos_ids(session.lm.tokenizer)
     body = settings.context - len(bos)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
@@ -294,6 +295,20 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
                                              "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
                                              "kept_entries")}
                    for label in labels} for m in settings.methods}
+    stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
+
+    def block(done: int) -> dict:
+        return {
+            "offsets": offsets,
+            "windows_done": done,
+            "context_tokens": settings.context,
+            "continuation_tokens": settings.continuation,
+            "full": {"perplexity": summary(full["perplexity"]), "seconds": summary(full["seconds"]),
+                     "cache_bytes": summary(full["cache_bytes"]), "per_window": full},
+            "results": {m: {label: {**{k: summary(row[k]) for k in stats}, "per_window": row}
+                            for label, row in per.items()} for m, per in results.items()},
+        }
+
     for w, offset in enumerate(offsets):
         context = bos + doc_ids[offset : offset + body]
         cont = doc_ids[offset + body : offset + body + settings.continuation]
@@ -320,16 +335,8 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
             row["cache_fraction"].append(got["cache_bytes"] / max(full["cache_bytes"][-1], 1))
             del got, logits
             tick(f"window {w + 1}/{len(offsets)}: {method} @ {label}")
-    stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
-    return {
-        "offsets": offsets,
-        "context_tokens": settings.context,
-        "continuation_tokens": settings.continuation,
-        "full": {"perplexity": summary(full["perplexity"]), "seconds": summary(full["seconds"]),
-                 "cache_bytes": summary(full["cache_bytes"]), "per_window": full},
-        "results": {m: {label: {**{k: summary(row[k]) for k in stats}, "per_window": row}
-                        for label, row in per.items()} for m, per in results.items()},
-    }
+        publish(block(w + 1))
+    return block(len(offsets))
 
 
 def build_haystack(session, doc_ids: list[int], settings: BenchSettings, rng: random.Random) -> dict:
@@ -362,7 +369,7 @@ def answer(session, engine, stream, question: str, max_new: int, start: str = ""
 
 
 def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
-               task: str = "needle") -> dict:
+               task: str = "needle", publish: Callable[[dict], None] = lambda block: None) -> dict:
     """Retrieval after compression: planted facts (`needle`) or details the text states once (`recall`)."""
     rng = random.Random(f"{task}:{settings.seed}")
     labels = list(dict.fromkeys(label for _, label in engines))
@@ -384,6 +391,18 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
     full = {"accuracy": [], "answers": [], "correct": []}
     results = {m: {label: {"accuracy": [], "answers": [], "correct": []} for label in labels}
                for m in settings.methods}
+
+    def block(done: int) -> dict:
+        return {
+            "haystacks": [{"offset": h["offset"], "tokens": len(h["ids"]),
+                           "facts": [{"sentence": f.sentence, "question": f.question, "expected": f.expected,
+                                      "depth": round(f.depth, 4)} for f in h["facts"]]} for h in haystacks],
+            "windows_done": done,
+            "full": {"accuracy": summary(full["accuracy"]), "per_window": full},
+            "results": {m: {label: {"accuracy": summary(row["accuracy"]), "per_window": row}
+                            for label, row in per.items()} for m, per in results.items()},
+        }
+
     for w, hay in enumerate(haystacks):
         reference.generator.manual_seed(settings.seed)
         texts, ok = score(reference, hay)
@@ -399,18 +418,15 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
             row["correct"].append(ok)
             row["accuracy"].append(sum(ok) / max(1, len(ok)))
             tick(f"{task} {w + 1}/{len(haystacks)}: {method} @ {label}")
-    return {
-        "haystacks": [{"offset": h["offset"], "tokens": len(h["ids"]),
-                       "facts": [{"sentence": f.sentence, "question": f.question, "expected": f.expected,
-                                  "depth": round(f.depth, 4)} for f in h["facts"]]} for h in haystacks],
-        "full": {"accuracy": summary(full["accuracy"]), "per_window": full},
-        "results": {m: {label: {"accuracy": summary(row["accuracy"]), "per_window": row}
-                        for label, row in per.items()} for m, per in results.items()},
-    }
+        publish(block(w + 1))
+    return block(len(haystacks))
 
 
-def run_bench(session, document, settings: BenchSettings, progress: Progress | None = None) -> dict:
-    """Run the benchmark on a loaded `Session` and a `Document`; returns every raw number and the settings."""
+def run_bench(session, document, settings: BenchSettings, progress: Progress | None = None,
+              checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run the benchmark on a loaded `Session` and a `Document`; returns every raw number and the settings.
+    `checkpoint`, when given, receives the result so far after every window ("complete": false until the end), so a
+    long run that is stopped keeps what it measured."""
     if settings.task not in TASKS:
         raise UsageError(f"invalid --task '{settings.task}'; choose from: {', '.join(TASKS)}")
     budgets = {str(b): min(b.resolve(settings.context), settings.context) for b in map(parse_budget,
@@ -440,12 +456,22 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
                          "python": platform.python_version()},
         },
     }
+    out["complete"] = False
+
+    def publisher(task: str) -> Callable[[dict], None]:
+        def publish(block: dict) -> None:
+            out[task] = block
+            if checkpoint is not None:
+                checkpoint(out)
+        return publish
+
     reference, engines = _engines(session, settings, budgets)  # one engine per method × budget, reused
     if "fidelity" in tasks:
-        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick)
+        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick, publisher("fidelity"))
     for task in ("needle", "recall"):
         if task in tasks:
-            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task)
+            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task, publisher(task))
+    out["complete"] = True
     return out
 
 

@@ -674,17 +674,32 @@ def bench(
         job = bar.add_task("bench", total=None)
         result = run_bench(session, document, settings,
                            lambda done, total, label: bar.update(job, completed=done, total=total,
-                                                                 description=shown(label)))
+                                                                 description=shown(label)),
+                           checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None)
     if opts["json"]:
         emit_json(result)
     else:
         render(result, out)
     if out_path is not None:
-        write_output(opts, "--out", out_path, (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode())
+        write_output(opts, "--out", out_path, bench_json(result))
     if plot is not None:
         from klevict_cli.plots import plot_bytes
 
         write_output(opts, "--plot", plot, plot_bytes(result, plot))
+
+
+def bench_json(result: dict) -> bytes:
+    return (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode()
+
+
+def save_bench(partial: dict, path: Path) -> None:
+    """After each bench window: the results so far, quietly (a failure here surfaces at the final write)."""
+    from klevict_cli.files import write_atomically
+
+    try:
+        write_atomically(path, bench_json(partial))
+    except OSError:
+        pass
 
 
 def write_output(opts: dict, flag: str, path: Path, blob: bytes) -> None:

@@ -28,6 +28,13 @@ def load_result(path: Path) -> dict | None:
 TASKS = ("fidelity", "needle", "recall")
 
 
+def windows_text(result: dict) -> str:
+    """How many windows were measured: all of them, or (a run stopped early) how many of how many."""
+    planned = result["settings"]["windows"]
+    done = min((result[t].get("windows_done", planned) for t in TASKS if t in result), default=planned)
+    return f"{planned} windows" if done >= planned else f"{done} of {planned} planned windows (stopped early)"
+
+
 def budgets(result: dict) -> list[str]:
     return list(result["settings"]["budget_tokens"])
 
@@ -166,7 +173,7 @@ def file_section(path: Path, result: dict, plot: Path | None = None) -> list[str
     doc = s["document"]
     versions = s.get("versions", {})
     run = [f"model `{md(s['model'])}`", f"document `{md(doc['name'])}` ({doc['tokens']:,} tokens, sha256 "
-           f"{md(doc['sha256'])[:12]}…)", f"{s['windows']} windows of {s['context']:,} tokens",
+           f"{md(doc['sha256'])[:12]}…)", f"{windows_text(result)} of {s['context']:,} tokens",
            f"continuation {s['continuation']}", f"seed {s['seed']}", f"{md(s['device'])}, {md(s['dtype'])}",
            f"klevict {md(versions.get('klevict', '?'))}, torch {md(versions.get('torch', '?'))}, "
            f"transformers {md(versions.get('transformers', '?'))}"]
@@ -209,7 +216,7 @@ def headline(path: Path, result: dict, link: str) -> list[str]:
     peer_costs = [per[b]["time_ratio"]["mean"] for m, per in rows.items() if m in peers(rows) for b in budgets(result)]
     return lines + [
         "",
-        f"kl against {len(peers(rows))} other methods; {s['windows']} windows of {s['context']:,} tokens of "
+        f"kl against {len(peers(rows))} other methods; {windows_text(result)} of {s['context']:,} tokens of "
         f"`{md(s['document']['name'])}` then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± 95 % "
         f"over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw numbers: "
         f"`{path.as_posix()}`; details and the command: [{link}]({link}).",

@@ -265,3 +265,19 @@ def test_pick_recalls_finds_details_stated_once():
     text = "The ship sailed on. We met old Captain Ahab near the dock that day. The sea was calm and the ship was slow."
     (recall,) = pick_recalls(text, random.Random(0), 3)
     assert recall.expected == "Ahab" and recall.start == '"We met old Captain'
+
+
+def test_checkpoints_hold_every_window_measured_so_far(session, document, result):
+    """A stopped run keeps what it measured: after each window the result so far, the last one equal to the end."""
+    seen = []
+    final = run_bench(session, document, BenchSettings(**SETTINGS),
+                      checkpoint=lambda partial: seen.append(json.loads(json.dumps(partial))))
+    windows = SETTINGS["windows"]
+    tasks = [t for t in ("fidelity", "needle", "recall") if t in final]
+    assert len(seen) == windows * len(tasks)
+    first = seen[0]
+    assert first["complete"] is False and first[tasks[0]]["windows_done"] == 1
+    assert all(len(row["per_window"]["kl"]) == 1 for per in first["fidelity"]["results"].values()
+               for row in per.values())
+    assert final["complete"] is True
+    assert without_timings(seen[-1][tasks[-1]]) == without_timings(json.loads(json.dumps(final[tasks[-1]])))
