@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_scores import group_sum
+from klevict_kernels.attention_scores import group_sum
 
 
 def last_query_attention(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.kl import through_norm
+from klevict_kernels.kl import through_norm
 from klevict_cli.errors import ModelError, ResourceError
 
 

@@ -44,7 +44,7 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from kernels.kl import direct_readout
+from klevict_kernels.kl import direct_readout
 from klevict_cli.adapters import (
     Gemma3Adapter,
     GPT2Adapter,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kl import kl_scores, removal_coefficients
+from klevict_kernels.kl import kl_scores, removal_coefficients
 from klevict_cli.adapters import adapter_for
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.engine import Engine

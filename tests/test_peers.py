@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_rules import attention_column_sums, input_times_gradient, restricted_max_attention
-from kernels.expected_attention import QueryMoments, expected_attention
+from klevict_kernels.attention_rules import attention_column_sums, input_times_gradient, restricted_max_attention
+from klevict_kernels.expected_attention import QueryMoments, expected_attention
 from klevict_cli.adapters import adapter_for
 from klevict_cli.engine import Engine
 from klevict_cli.fisher import attention_output_gradient_norms

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_rules import pyramid_budgets
-from kernels.output_rules import output_change, projected_value_norm
+from klevict_kernels.attention_rules import pyramid_budgets
+from klevict_kernels.output_rules import output_change, projected_value_norm
 from klevict_cli.adapters import adapter_for
 from klevict_cli.attention import LayerProbe
 from klevict_cli.cache import KVCache, LayerCache

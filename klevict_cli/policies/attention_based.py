@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_rules import attention_column_sums, last_query_attention, pyramid_budgets, window_attention
+from klevict_kernels.attention_rules import attention_column_sums, last_query_attention, pyramid_budgets, window_attention
 from klevict_cli.attention import attention_mask
 from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.policies.snapkv import SnapKV

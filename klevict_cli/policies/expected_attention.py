@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.expected_attention import QueryMoments, expected_attention
+from klevict_kernels.expected_attention import QueryMoments, expected_attention
 from klevict_cli.errors import ModelError
 from klevict_cli.policies.base import EvictionStep, Policy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.key_rules import key_mean_similarity, key_norm
+from klevict_kernels.key_rules import key_mean_similarity, key_norm
 from klevict_cli.policies.base import EvictionStep, Policy
 
 

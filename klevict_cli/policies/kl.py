@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from kernels.kl import direct_readout, kl_scores, to_head_space
+from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.cache import mask_columns
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_rules import input_times_gradient, restricted_max_attention
-from kernels.output_rules import projected_value_norm
+from klevict_kernels.attention_rules import input_times_gradient, restricted_max_attention
+from klevict_kernels.output_rules import projected_value_norm
 from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.probes import SINKS
 

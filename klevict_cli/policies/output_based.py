@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_scores import group_sum
-from kernels.output_rules import output_change, value_weighted_attention
+from klevict_kernels.attention_scores import group_sum
+from klevict_kernels.output_rules import output_change, value_weighted_attention
 from klevict_cli.policies.base import EvictionStep, Policy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_scores import pooled_window_attention
+from klevict_kernels.attention_scores import pooled_window_attention
 from klevict_cli.policies.base import EvictionStep, Policy
 
 

@@ -1,0 +1,35 @@
+"""What `pip install klevict` puts in site-packages: no top-level name another package could also own."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_installs_no_top_level_kernels_package(tmp_path):
+    """Hugging Face's `kernels` package (imported by transformers when installed) would share site-packages/kernels/
+    with ours: the scoring kernels install as `klevict_kernels`, from the repository's kernels/ folder."""
+    pytest.importorskip("setuptools")
+    source = tmp_path / "src"  # a copy, so the build leaves no build/ or egg-info in the repository
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                               "tests", "benchmarks", "docs", "examples"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("klevict-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"klevict_cli", "klevict_kernels"}
+    assert "klevict_kernels/kl.py" in names and "klevict_cli/policies/kl.py" in names
+
+
+def test_klevict_imports_its_kernels_under_their_own_name():
+    import klevict_kernels.kl
+    from klevict_cli.adapters import through_norm
+
+    assert through_norm is klevict_kernels.kl.through_norm
+    assert through_norm.__module__ == "klevict_kernels.kl"
