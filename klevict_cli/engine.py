@@ -275,8 +275,15 @@ class Engine:
         last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
-        scores = self.policy.score_layers(self.eviction_step(stream, ctx, logits, w, final), list(scored))
+        step = self.eviction_step(stream, ctx, logits, w, final)
+        step.kept_fraction = self.kept_fraction(stream, budget)
+        scores = self.policy.score_layers(step, list(scored))
         self._keep_best(stream, scores, recent, budget, keep)
+
+    def kept_fraction(self, stream: Stream, budget: int | None) -> float | None:
+        """What part of the tokens read so far the eviction keeps (before any probes are appended)."""
+        budget = self.budget if budget is None else budget
+        return None if budget is None else min(1.0, budget / max(1, stream.next_position))
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
@@ -285,9 +292,11 @@ class Engine:
         set is scored and forgotten in turn, and the entries' scores add up over the sets."""
         scored = self._scored_layers(stream)
         held = {i: layer.capacity for i, layer in scored.items()}
+        fraction = self.kept_fraction(stream, budget)
         total: dict[int, torch.Tensor] = {}
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final)
+            step.kept_fraction = fraction
             for i, s in self.policy.score_layers(step, list(scored)).items():
                 s = s[:, : held[i]].float()
                 total[i] = total[i] + s if i in total else s

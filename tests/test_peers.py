@@ -128,6 +128,36 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
 
 
+def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
+    """The stored re-reading KL enters a later eviction calibrated like the look-ahead's scores, weighted by
+    reconstruction_weight × (kept fraction / 20 %)^4; stored raw (the calibration comes from the first eviction's
+    own probes, not from a re-reading)."""
+    policy = KL()
+    assert policy.weight_of_reconstruction(0.2) == pytest.approx(0.01)
+    assert policy.weight_of_reconstruction(0.05) == pytest.approx(0.01 / 256)
+    assert policy.weight_of_reconstruction(None) == policy.weight_of_reconstruction(1.0) == pytest.approx(6.25)
+    ids = torch.randint(0, 300, (90,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=40, chunk_size=32, probe_window=8,
+                    reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    kl = engine.policy
+    assert kl.calibration is not None
+    with torch.inference_mode():  # as the engine scores
+        logits, ctx = engine.probe_again(stream, 8)
+        layers = list(range(len(stream.cache.layers)))
+        look_ahead = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8), layers)
+        steps = [engine.eviction_step(stream, ctx, logits, 8) for _ in range(2)]
+        for step, fraction in zip(steps, (0.1, 0.4)):
+            step.kept_fraction = fraction
+        scored = [kl.score_layers(step, layers) for step in steps]
+    for got, fraction in zip(scored, (0.1, 0.4)):
+        for i in layers:
+            stored = stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None]
+            expected = look_ahead[i] + kl.weight_of_reconstruction(fraction) * stored
+            assert torch.allclose(got[i], expected, rtol=1e-5, atol=1e-12)
+
+
 def assert_max_of_restricted_attention(got, weights, inside, judged, factor):
     """By loops: each judged entry's score is the max over its group's query heads h and the rows t of its attention
     renormalised over `inside`, times factor(h, t, j); 0 for entries not judged (2 query heads per KV head)."""

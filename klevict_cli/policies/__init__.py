@@ -12,9 +12,9 @@ from klevict_cli.policies.kvzip import KVgrad, KVzip
 from klevict_cli.policies.key_based import KeyDiff, KNorm
 from klevict_cli.policies.output_based import CAOTE, ValueNorm
 from klevict_cli.policies.random_choice import RandomChoice
-from klevict_cli.policies.kl import KL, KLFisher, KLLayer
+from klevict_cli.policies.kl import KL, KLFisher, KLLayer, KLReconstruct
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (KL, KLFisher, KLLayer, FullCache, Streaming, SnapKV)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (KL, KLFisher, KLLayer, KLReconstruct, FullCache, Streaming, SnapKV)}
 # Baselines for `klevict bench` (and usable as --method anywhere).
 POLICIES.update({cls.name: cls for cls in (KVzip, KVgrad, ExpectedAttention, ObservedAttention, PyramidKV, H2O, TOVA, ValueNorm,
                                            CAOTE, KeyDiff, KNorm, RandomChoice)})
