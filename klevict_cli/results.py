@@ -14,7 +14,11 @@ import shlex
 from pathlib import Path
 
 SUBJECT = "kl"
+# kl as `summarize` reads (look-ahead probes) and as `compress` reads (and re-reading probes): each is compared with
+# the best of the other methods.
+SUBJECTS = (SUBJECT, "kl-reconstruct")
 RESAMPLES = 10_000  # bootstrap resamples of the windows for a paired ratio's interval
+Z95 = 1.96
 
 
 def load_result(path: Path) -> dict | None:
@@ -133,17 +137,20 @@ def fidelity_tables(result: dict) -> list[str]:
                          else text)
         body.append([md(method), *cells])
     lines += table(["method", *budget_headers(result)], body) + [""]
-    if SUBJECT in rows and peers(rows):
-        lines += [f"Paired by window: {SUBJECT}'s KL over the best other method's at each budget (geometric mean of "
-                  "the per-window ratios, 95 % bootstrap interval over windows; below 1 means kl is better):", ""]
+    subjects = [m for m in SUBJECTS if m in rows]
+    if subjects and peers(rows):
+        lines += ["Paired by window: each kl reading's KL over the best other method's at each budget (geometric "
+                  "mean of the per-window ratios, 95 % bootstrap interval over windows; below 1 means kl is better):",
+                  ""]
         body = []
         for b in labels:
             other = best_peer(fid, b)
             if other is None:
                 continue
-            p = paired_ratio(rows[SUBJECT][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
-            body.append([md(b), md(other), ratio_text(p), f"{p['better']} of {p['windows']}"])
-        lines += table(["budget", "best other method", f"{SUBJECT} / it", f"{SUBJECT} lower in"], body) + [""]
+            for subject in subjects:
+                p = paired_ratio(rows[subject][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
+                body.append([md(b), md(subject), md(other), ratio_text(p), f"{p['better']} of {p['windows']}"])
+        lines += table(["budget", "kl reading", "best other method", "kl / it", "kl lower in"], body) + [""]
     lines += ["Top-1 agreement with the full cache, mean over windows:", ""]
     lines += table(["method", *budget_headers(result)],
                    [[md(m), *(f"{100 * per[b]['top1']['mean']:.1f} %" for b in labels)] for m, per in rows.items()])
@@ -156,14 +163,38 @@ def fidelity_tables(result: dict) -> list[str]:
     return lines + [""]
 
 
+def wilson(correct: int, n: int) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion (sound at 0 and n, unlike the normal approximation)."""
+    if n == 0:
+        return 0.0, 1.0
+    p, z2 = correct / n, Z95 ** 2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_text(correct_lists: list[list[bool]], full: list[list[bool]] | None = None) -> str:
+    """Correct / asked, the share with its 95 % Wilson interval and, given the full cache's answers, the share of
+    the full cache's accuracy."""
+    flat = [c for window in correct_lists for c in window]
+    right, n = sum(flat), len(flat)
+    low, high = wilson(right, n)
+    text = f"{right}/{n} = {100 * right / max(n, 1):.0f} % [{100 * low:.0f}, {100 * high:.0f}]"
+    if full is not None:
+        base = sum(c for window in full[: len(correct_lists)] for c in window)
+        text += f" ({right / base:.2f}× full)" if base else ""
+    return text
+
+
 def retrieval_table(result: dict, task: str) -> list[str]:
     block, labels = result[task], budgets(result)
-    questions = sum(len(h["facts"]) for h in block["haystacks"])
+    full = block["full"]["per_window"]["correct"]
     what = "planted facts (needle)" if task == "needle" else "details the text states once (recall)"
-    lines = [f"Retrieval of {what}: exact-match accuracy over {questions} questions in {len(block['haystacks'])} "
-             f"windows; the full cache answers {100 * block['full']['accuracy']['mean']:.1f} %:", ""]
+    lines = [f"Retrieval of {what} in {len(full)} windows: answers with the detail / questions asked, with a 95 % "
+             f"Wilson interval and the share of the full cache's score; the full cache answers "
+             f"{accuracy_text(full)}:", ""]
     lines += table(["method", *budget_headers(result)],
-                   [[md(m), *(f"{100 * per[b]['accuracy']['mean']:.1f} %" for b in labels)]
+                   [[md(m), *(accuracy_text(per[b]["per_window"]["correct"], full) for b in labels)]
                     for m, per in block["results"].items()])
     return lines + [""]
 
@@ -205,14 +236,15 @@ def headline(path: Path, result: dict, link: str) -> list[str]:
     fid, s = result["fidelity"], result["settings"]
     rows = fid["results"]
     body = []
+    subjects = [m for m in SUBJECTS if m in rows]
     for b in budgets(result):
         other = best_peer(fid, b)
-        p = paired_ratio(rows[SUBJECT][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
-        body.append([md(b), pm(rows[SUBJECT][b]["kl"]), f"{md(other)} {pm(rows[other][b]['kl'])}", ratio_text(p),
-                     f"{p['better']} of {p['windows']}"])
-    lines = table(["kept", "kl: KL (nats/token)", "best of the other methods", "ratio, paired", "kl better in"],
-                  body)
-    costs = [rows[SUBJECT][b]["time_ratio"]["mean"] for b in budgets(result)]
+        for subject in subjects:
+            p = paired_ratio(rows[subject][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
+            body.append([md(b), md(subject), pm(rows[subject][b]["kl"]), f"{md(other)} {pm(rows[other][b]['kl'])}",
+                         ratio_text(p), f"{p['better']} of {p['windows']}"])
+    lines = table(["kept", "kl reading", "KL (nats/token)", "best of the other methods", "ratio, paired",
+                   "kl better in"], body)
     peer_costs = [per[b]["time_ratio"]["mean"] for m, per in rows.items() if m in peers(rows) for b in budgets(result)]
     return lines + [
         "",
@@ -221,6 +253,8 @@ def headline(path: Path, result: dict, link: str) -> list[str]:
         f"over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw numbers: "
         f"`{path.as_posix()}`; details and the command: [{link}]({link}).",
         "",
-        f"Cost: a kl read took {min(costs):.2f}–{max(costs):.2f}× the time of a full-cache read of the same window "
-        f"(the other methods {min(peer_costs):.2f}–{max(peer_costs):.2f}×).",
+        "Cost, against a full-cache read of the same window: " + "; ".join(
+            f"{subject} {min(c):.2f}–{max(c):.2f}×" for subject in subjects
+            if (c := [rows[subject][b]["time_ratio"]["mean"] for b in budgets(result)]))
+        + f"; the other methods {min(peer_costs):.2f}–{max(peer_costs):.2f}×.",
     ]

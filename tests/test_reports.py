@@ -14,7 +14,7 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import BenchSettings, run_bench
 from klevict_cli.documents import Document
 from klevict_cli.models import LoadedModel
-from klevict_cli.results import md, paired_ratio, peers
+from klevict_cli.results import accuracy_text, md, paired_ratio, peers, wilson
 from klevict_cli.session import Session
 from tests.conftest import CORPUS, make_tokenizer, tiny_llama
 from tests.test_cli import assert_error, assert_ok, invoke
@@ -67,6 +67,16 @@ def test_paired_ratio_interval_holds_the_mean_and_skips_zeros():
     assert p["paired"] == 3 and p["better"] == 1 and p["windows"] == 4
     assert p["low"] <= p["ratio"] <= p["high"]
     assert p["ratio"] == pytest.approx((0.5 * 1.5 * 2.0) ** (1 / 3))
+
+
+def test_wilson_interval_and_accuracy_against_the_full_cache():
+    low, high = wilson(0, 40)
+    assert low == 0.0 and 0.08 < high < 0.09  # 0 of 40: up to 8.8 %
+    low, high = wilson(20, 40)
+    assert low < 0.5 < high and high - 0.5 == pytest.approx(0.5 - low)
+    text = accuracy_text([[True, False], [True, True]], full=[[True, True], [True, True]])
+    assert text.startswith("3/4 = 75 % [") and text.endswith("(0.75× full)")
+    assert accuracy_text([[True]], full=[[True, False], [False, False]]) == "1/1 = 100 % [21, 100] (1.00× full)"
 
 
 def test_peers_leave_out_kl_and_its_variants():

@@ -1,0 +1,61 @@
+"""Merge `klevict bench` results measured on the same windows (same model, document, seed, context, continuation,
+chunk; the windows measured by both) by different runs into one file, e.g. a method added later to an expensive peer run.
+
+    python benchmarks/merge_results.py A.json B.json -o merged.json
+
+Each method × budget comes from exactly one input (a method in two inputs is refused); the full-cache reference
+and the windows come from the first input. The merged file records where every method came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SAME = ("model", "model_weights_sha256", "document", "seed", "context", "continuation", "chunk_size",
+        "probe_window", "dtype")
+TASKS = ("fidelity", "needle", "recall")
+
+
+def merge(results: list[dict], names: list[str]) -> dict:
+    first = results[0]
+    out = json.loads(json.dumps(first))
+    out["settings"]["merged_from"] = {names[0]: sorted(first["settings"]["methods"])}
+    for name, other in zip(names[1:], results[1:]):
+        for key in SAME:
+            if other["settings"].get(key) != first["settings"].get(key):
+                raise SystemExit(f"{name}: setting {key} differs ({other['settings'].get(key)!r} vs "
+                                 f"{first['settings'].get(key)!r}); these runs did not measure the same windows")
+        for task in TASKS:
+            if task not in other:
+                continue
+            if task not in out:
+                raise SystemExit(f"{name} has task {task}, which {names[0]} lacks")
+            done = min(out[task].get("windows_done", 0), other[task].get("windows_done", 0))
+            if task == "fidelity" and other[task]["offsets"][:done] != out[task]["offsets"][:done]:
+                raise SystemExit(f"{name}: different windows")
+            for method, per in other[task]["results"].items():
+                if method in out[task]["results"]:
+                    raise SystemExit(f"{name}: method {method} is already in an earlier input")
+                out[task]["results"][method] = per
+            out[task]["windows_done"] = done
+        out["settings"]["methods"] += [m for m in other["settings"]["methods"] if m not in out["settings"]["methods"]]
+        out["settings"]["method_params"].update(other["settings"]["method_params"])
+        out["settings"]["merged_from"][name] = sorted(other["settings"]["methods"])
+        out["complete"] = out.get("complete", True) and other.get("complete", True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", type=Path)
+    parser.add_argument("-o", "--output", type=Path, required=True)
+    args = parser.parse_args()
+    results = [json.loads(p.read_text(encoding="utf-8")) for p in args.inputs]
+    merged = merge(results, [p.name for p in args.inputs])
+    args.output.write_text(json.dumps(merged, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
