@@ -282,14 +282,28 @@ def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
     return reference, methods
 
 
+def warm_up(session, settings: BenchSettings, reference, engines: dict, ids: list[int]) -> None:
+    """First-call costs (allocations, kernel selection, the first backward pass, vmap's tracing) must not land on a
+    method's first timing: the reference reads one chunk, and each method reads two small chunks with a budget
+    small enough that every path it has (eviction, drafts, calibration, reconstruction) runs once."""
+    from klevict_cli.session import ReadSettings
+
+    reference.feed(reference.new_stream(), ids[: min(settings.chunk_size, settings.context)])
+    chunk = max(2, min(settings.chunk_size, settings.context) // 4)
+    read = ReadSettings(budget=None, chunk_size=chunk, probe_window=settings.probe_window, seed=settings.seed,
+                        working=1.0, reconstruct=settings.reconstruct)
+    for method in dict.fromkeys(m for m, _ in engines):
+        engine = session.engine(method, max(1, chunk // 2), read, "original")
+        engine.feed(engine.new_stream(), ids[: 2 * chunk])
+
+
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
                  publish: Callable[[dict], None] = lambda block: None) -> dict:
     bos = bos_ids(session.lm.tokenizer)
     body = settings.context - len(bos)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
     labels = list(dict.fromkeys(label for _, label in engines))
-    warm = reference.new_stream()  # first-call costs (allocations, kernel selection) must not land on a timing
-    reference.feed(warm, (bos + doc_ids)[: min(settings.chunk_size, settings.context)])
+    warm_up(session, settings, reference, engines, bos + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
     results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
                                              "cache_fraction", "peak_cache_bytes", "peak_device_bytes",

@@ -202,7 +202,7 @@ def test_facts_go_between_sentences():
 
 def test_parse_methods_and_budgets():
     everything = parse_methods("all", POLICIES)
-    assert "none" not in everything and set(everything) == set(POLICIES) - {"none", "kl-fisher", "kl-layer"}
+    assert "none" not in everything and set(everything) == set(POLICIES) - {"none", "kl-fisher", "kl-layer", "kl-reconstruct"}
     assert parse_methods("snapkv, h2o", POLICIES) == ["snapkv", "h2o"]
     for bad in ("nope", "none", "snapkv,snapkv", ""):
         with pytest.raises(UsageError):
