@@ -3,8 +3,9 @@ chunk; the windows measured by both) by different runs into one file, e.g. a met
 
     python benchmarks/merge_results.py A.json B.json -o merged.json
 
-Each method × budget comes from exactly one input (a method in two inputs is refused); the full-cache reference
-and the windows come from the first input. The merged file records where every method came from.
+Each method comes from the first input that has it; a method in two inputs must have the same numbers in both
+(timings aside: the runs are deterministic), else the merge is refused. The full-cache reference and the windows
+come from the first input. The merged file records where every method came from.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from pathlib import Path
 SAME = ("model", "model_weights_sha256", "document", "seed", "context", "continuation", "chunk_size",
         "probe_window", "dtype")
 TASKS = ("fidelity", "needle", "recall")
+
+
+TIMINGS = ("seconds", "time_ratio", "peak_device_bytes")
+
+
+def measured(per_budget: dict, windows: int) -> dict:
+    """A method's per-window numbers over the first `windows` windows, timings aside (they vary run to run)."""
+    return {b: {k: v[:windows] for k, v in row["per_window"].items() if k not in TIMINGS}
+            for b, row in per_budget.items()}
 
 
 def merge(results: list[dict], names: list[str]) -> dict:
@@ -37,7 +47,9 @@ def merge(results: list[dict], names: list[str]) -> dict:
                 raise SystemExit(f"{name}: different windows")
             for method, per in other[task]["results"].items():
                 if method in out[task]["results"]:
-                    raise SystemExit(f"{name}: method {method} is already in an earlier input")
+                    if measured(per, done) != measured(out[task]["results"][method], done):
+                        raise SystemExit(f"{name}: method {method} is in an earlier input, with other numbers")
+                    continue  # measured twice, the same (timings aside): the first is kept
                 out[task]["results"][method] = per
             out[task]["windows_done"] = done
         out["settings"]["methods"] += [m for m in other["settings"]["methods"] if m not in out["settings"]["methods"]]

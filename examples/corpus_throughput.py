@@ -36,10 +36,11 @@ def cut(text: str, docs: int, chars: int) -> list[str]:
     return pieces
 
 
-def run(args: list[str], env: dict | None = None) -> float:
+def run(args: list[str]) -> float:
+    """Seconds for one klevict command (a local Ray instance, never one named by $RAY_ADDRESS)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     start = time.perf_counter()
-    subprocess.run(KLEVICT + args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, **(env or {})})
+    subprocess.run(KLEVICT + args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
@@ -88,7 +89,7 @@ def main() -> None:
             seconds = run(["compress", str(sources), "-o", f"{out}/", "--quiet", *settings])
         elif name.startswith("ray"):
             seconds = run(["compress", str(sources), "-o", f"{out}/", "--quiet", "--engine", "ray", "--workers",
-                           name[3:], *settings], env={"RAY_ADDRESS": ""})
+                           name[3:], *settings])
         elif name == "resume":
             args = ["compress", str(sources), "-o", f"{out}/", "--quiet", *settings]
             done = kill_halfway(args, out, ns.docs)

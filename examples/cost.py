@@ -21,15 +21,14 @@ import torch
 
 from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.documents import load_document
-from klevict_cli.engine import Engine
 from klevict_cli.models import load_model
 from klevict_cli.options import parse_budget
-from klevict_cli.policies import make_policy
-from klevict_cli.session import Session
+from klevict_cli.session import ReadSettings, Session
 
 
 def timed_feed(session: Session, ids: list[int], method: str, budget: int | None, device: torch.device) -> float:
-    engine = Engine(session.lm.model, session.adapter, make_policy(method), budget)
+    """One read of `ids` as the CLI reads (its engine, chunking and working limit; `kl-reconstruct` as `compress`)."""
+    engine = session.engine(method, budget, ReadSettings(budget=None), "original")
     stream = engine.new_stream()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -64,7 +63,9 @@ def main() -> None:
     windows = [ids[i * step : i * step + args.tokens] for i in range(args.places)]
     budgets = [parse_budget(b).resolve(args.tokens) for b in args.budgets.split(",")]
     methods = args.methods.split(",")
-    timed_feed(session, windows[0][:600], "none", None, device)  # warm-up
+    timed_feed(session, windows[0][:600], "none", None, device)  # warm-up: first-call costs off the timings
+    for method in methods:
+        timed_feed(session, windows[0][:600], method, 64, device)
 
     ratios: dict[tuple[str, int], list[float]] = {(m, b): [] for m in methods for b in budgets}
     full_times: list[float] = []

@@ -85,12 +85,16 @@ def pm(stat: dict) -> str:
     if mean is None:
         return "–"
     digits = min(8, max(0, 2 - math.floor(math.log10(abs(mean))))) if mean else 4
+    if stat.get("n", 2) < 2:  # one window: no interval to give
+        return f"{mean:.{digits}f} (n = 1)"
     return f"{mean:.{digits}f} ± {stat['ci95']:.{digits}f}"
 
 
 def ratio_text(p: dict) -> str:
     if p["ratio"] is None:
         return "–"
+    if p["paired"] < 2:  # one window: the ratio, no interval
+        return f"{p['ratio']:.3f}"
     return f"{p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
 
 
@@ -213,6 +217,12 @@ def file_section(path: Path, result: dict, plot: Path | None = None) -> list[str
     if s.get("machine"):
         run.append(md(s["machine"]))
     lines = [f"### {md(path.name)}", "", "; ".join(run) + ".", "", "```bash", command(result, path), "```", ""]
+    if s.get("merged_from"):  # benchmarks/merge_results.py: the command above is what the parts add up to
+        parts = "; ".join(f"`{md(name)}` ({', '.join(md(m) for m in methods)})"
+                          for name, methods in s["merged_from"].items())
+        lines += [f"Merged by `benchmarks/merge_results.py` from runs on the same windows (under "
+                  f"`benchmarks/results/parts/`): {parts}. Each method's cost is against the full read of its own "
+                  f"run.", ""]
     if plot is not None:
         lines += [f"![KL against budget, and cost against KL, for {md(path.name)}]({plot.as_posix()})", ""]
     if "fidelity" in result:
