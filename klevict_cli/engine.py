@@ -243,7 +243,7 @@ class Engine:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False,
-                      judged: tuple[int, int] | None = None) -> EvictionStep:
+                      judged: tuple[int, int] | None = None, kept_fraction: float | None = None) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
@@ -255,6 +255,7 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
+            kept_fraction=kept_fraction,
             backward=lambda samples, live: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
                 torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
@@ -275,8 +276,7 @@ class Engine:
         last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
-        step = self.eviction_step(stream, ctx, logits, w, final)
-        step.kept_fraction = self.kept_fraction(stream, budget)
+        step = self.eviction_step(stream, ctx, logits, w, final, kept_fraction=self.kept_fraction(stream, budget))
         scores = self.policy.score_layers(step, list(scored))
         self._keep_best(stream, scores, recent, budget, keep)
 
@@ -295,8 +295,8 @@ class Engine:
         fraction = self.kept_fraction(stream, budget)
         total: dict[int, torch.Tensor] = {}
         for probe_set in probe_sets:
-            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final)
-            step.kept_fraction = fraction
+            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final,
+                                      kept_fraction=fraction)
             for i, s in self.policy.score_layers(step, list(scored)).items():
                 s = s[:, : held[i]].float()
                 total[i] = total[i] + s if i in total else s

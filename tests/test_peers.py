@@ -147,10 +147,8 @@ def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
         logits, ctx = engine.probe_again(stream, 8)
         layers = list(range(len(stream.cache.layers)))
         look_ahead = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8), layers)
-        steps = [engine.eviction_step(stream, ctx, logits, 8) for _ in range(2)]
-        for step, fraction in zip(steps, (0.1, 0.4)):
-            step.kept_fraction = fraction
-        scored = [kl.score_layers(step, layers) for step in steps]
+        scored = [kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, kept_fraction=fraction), layers)
+                  for fraction in (0.1, 0.4)]
     for got, fraction in zip(scored, (0.1, 0.4)):
         for i in layers:
             stored = stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None]
