@@ -77,8 +77,8 @@ ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged al
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
                                                 "2k (=2048). Default 10%.")]
 # Kept in step with klevict_cli.policies.POLICIES by a test (importing it here would slow down `--help`).
-METHODS = ("kl (default), kl-fisher, kl-layer, kl-reconstruct, none (the full cache), streaming, snapkv, kvzip, kvgrad, "
-           "expected_attention, observed_attention, pyramidkv, h2o, tova, value, caote, keydiff, knorm, random")
+METHODS = ("kl (default), kl-fisher, kl-layer, kl-reconstruct, none (the full cache), streaming, snapkv, kvzip, "
+           "kvgrad, expected_attention, observed_attention, pyramidkv, h2o, tova, value, caote, keydiff, knorm, random")
 MethodOpt = Annotated[str | None, typer.Option("--method", help=f"Eviction policy: {METHODS}.")]
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]

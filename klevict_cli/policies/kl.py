@@ -103,8 +103,9 @@ class KL(Policy):
         """How much the re-reading's KL counts against the look-ahead's: `reconstruction_weight` at 20 % kept,
         scaled by (kept fraction / 20 %)^4. A generous budget can keep what questions need as well as what the next
         text needs — beyond the look-ahead's few probes, its scores are noise-level and the re-reading decides —
-        while a tight one must spend itself on the next text: on a Moby Dick tuning window (seed 2), weight 0.01 made the
-        continuation's KL 0.12× at 50 %, 0.68× at 20 %, but 1.4× at 10 % and 2× at 5 % (docs/research-log.md)."""
+        while a tight one must spend itself on the next text: on a Moby Dick tuning window (seed 2), weight 0.01
+        made the continuation's KL 0.12× at 50 %, 0.68× at 20 %, but 1.4× at 10 % and 2× at 5 %
+        (docs/research-log.md)."""
         fraction = 1.0 if kept_fraction is None else kept_fraction
         return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** RECONSTRUCTION_POWER
 
