@@ -265,8 +265,8 @@ class _Counter:
     def __init__(self, total: int, progress: Progress | None):
         self.done, self.total, self.progress = 0, total, progress
 
-    def __call__(self, label: str) -> None:
-        self.done += 1
+    def __call__(self, label: str, steps: int = 1) -> None:
+        self.done += steps
         if self.progress is not None:
             self.progress(self.done, self.total, label)
 
@@ -297,8 +297,29 @@ def warm_up(session, settings: BenchSettings, reference, engines: dict, ids: lis
         engine.feed(engine.new_stream(), ids[: 2 * chunk])
 
 
+def carry_over(previous: dict | None, full: dict, results: dict, planned: list, key: str) -> int:
+    """Resume a stopped run: copy the windows `previous` (a saved block of the same task) finished into `full` and
+    `results`, and return how many. Windows are drawn in sequence from the seed, so a longer run's first windows are
+    a shorter one's; anything else means the saved run measured something else."""
+    if not previous:
+        return 0
+    done = previous["windows_done"]
+    if previous[key][:done] != planned[:done] or done > len(planned):
+        raise UsageError(f"--resume: the saved run's windows are not this run's first {done} ({key} differ)")
+    for name, lists in previous["full"]["per_window"].items():
+        full[name][:] = lists[:done]
+    for method, per in results.items():
+        for label, row in per.items():
+            saved = previous["results"].get(method, {}).get(label, {}).get("per_window")
+            if saved is None:
+                raise UsageError(f"--resume: the saved run has no {method} @ {label}")
+            for name in row:
+                row[name][:] = saved[name][:done]
+    return done
+
+
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
-                 publish: Callable[[dict], None] = lambda block: None) -> dict:
+                 publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None) -> dict:
     bos = bos_ids(session.lm.tokenizer)
     body = settings.context - len(bos)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
@@ -310,6 +331,7 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
                                              "kept_entries")}
                    for label in labels} for m in settings.methods}
     stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
+    done = carry_over(previous, full, results, offsets, "offsets")
 
     def block(done: int) -> dict:
         return {
@@ -324,6 +346,9 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
         }
 
     for w, offset in enumerate(offsets):
+        if w < done:
+            tick(f"window {w + 1}/{len(offsets)}: measured before", 1 + len(engines))
+            continue
         context = bos + doc_ids[offset : offset + body]
         cont = doc_ids[offset + body : offset + body + settings.continuation]
         targets = torch.tensor(cont)
@@ -383,7 +408,8 @@ def answer(session, engine, stream, question: str, max_new: int, start: str = ""
 
 
 def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
-               task: str = "needle", publish: Callable[[dict], None] = lambda block: None) -> dict:
+               task: str = "needle", publish: Callable[[dict], None] = lambda block: None,
+               previous: dict | None = None) -> dict:
     """Retrieval after compression: planted facts (`needle`) or details the text states once (`recall`)."""
     rng = random.Random(f"{task}:{settings.seed}")
     labels = list(dict.fromkeys(label for _, label in engines))
@@ -417,7 +443,11 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
                             for label, row in per.items()} for m, per in results.items()},
         }
 
+    done = carry_over(previous, full, results, block(0)["haystacks"], "haystacks")
     for w, hay in enumerate(haystacks):
+        if w < done:
+            tick(f"{task} {w + 1}/{len(haystacks)}: measured before", 1 + len(engines))
+            continue
         reference.generator.manual_seed(settings.seed)
         texts, ok = score(reference, hay)
         full["answers"].append(texts)
@@ -437,10 +467,11 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
 
 
 def run_bench(session, document, settings: BenchSettings, progress: Progress | None = None,
-              checkpoint: Callable[[dict], None] | None = None) -> dict:
+              checkpoint: Callable[[dict], None] | None = None, resume: dict | None = None) -> dict:
     """Run the benchmark on a loaded `Session` and a `Document`; returns every raw number and the settings.
     `checkpoint`, when given, receives the result so far after every window ("complete": false until the end), so a
-    long run that is stopped keeps what it measured."""
+    long run that is stopped keeps what it measured; `resume` is such a saved result, whose windows are kept and not
+    measured again (its settings must be this run's, but for the number of windows)."""
     if settings.task not in TASKS:
         raise UsageError(f"invalid --task '{settings.task}'; choose from: {', '.join(TASKS)}")
     budgets = {str(b): min(b.resolve(settings.context), settings.context) for b in map(parse_budget,
@@ -471,6 +502,11 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
         },
     }
     out["complete"] = False
+    if resume is not None:
+        check_resumable(resume, out["settings"])
+        out["settings"]["resumed_from"] = resume["settings"].get("resumed_from", []) + [
+            {"created": resume["settings"]["created"], "machine": resume["settings"]["machine"],
+             **{task: resume[task]["windows_done"] for task in TASKS if task in resume}}]
 
     def publisher(task: str) -> Callable[[dict], None]:
         def publish(block: dict) -> None:
@@ -481,12 +517,31 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
 
     reference, engines = _engines(session, settings, budgets)  # one engine per method × budget, reused
     if "fidelity" in tasks:
-        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick, publisher("fidelity"))
+        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick, publisher("fidelity"),
+                                       (resume or {}).get("fidelity"))
     for task in ("needle", "recall"):
         if task in tasks:
-            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task, publisher(task))
+            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task, publisher(task),
+                                   (resume or {}).get(task))
     out["complete"] = True
     return out
+
+
+# settings a resumed run may change: when and where it runs, and how many windows it plans
+RESUMABLE_CHANGES = ("windows", "created", "machine", "versions", "resumed_from", "merged_from")
+
+
+def check_resumable(saved: dict, settings: dict) -> None:
+    """A saved run can be resumed only by a run measuring the same thing."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
+        raise UsageError("--resume: not a klevict bench result")
+    theirs = saved["settings"]
+    same_text = {**theirs.get("document", {}), "name": None} == {**settings["document"], "name": None}
+    differ = sorted(k for k in set(theirs) | set(settings)
+                    if k not in RESUMABLE_CHANGES + ("document",) and theirs.get(k) != settings.get(k))
+    differ += [] if same_text else ["document"]
+    if differ:
+        raise UsageError(f"--resume: the saved run was measured with other settings ({', '.join(differ)})")
 
 
 def _machine(session) -> str:

@@ -630,6 +630,8 @@ def bench(
                                                   "settings to this JSON file.")] = None,
     json_out: Annotated[bool | None, typer.Option("--json", help="Print those raw numbers as one JSON object on "
                                                   "stdout instead of the tables.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in --out (stopped, or with fewer "
+                                         "--windows): its windows are kept, the rest are measured.")] = False,
     needles: Annotated[int, typer.Option("--needles", help="Facts planted per needle haystack.")] = 4,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Tokens each needle answer may use.")] = 32,
     working: Annotated[float | None, typer.Option("--working", help="Working limit while reading, as a multiple of"
@@ -663,6 +665,7 @@ def bench(
     )
     if out_path is not None:
         check_destination(out_path, "--out")
+    saved = load_saved_bench(out_path) if resume else None
     if plot is not None:
         from klevict_cli.plots import check_plot_target
 
@@ -675,7 +678,8 @@ def bench(
         result = run_bench(session, document, settings,
                            lambda done, total, label: bar.update(job, completed=done, total=total,
                                                                  description=shown(label)),
-                           checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None)
+                           checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None,
+                           resume=saved)
     if opts["json"]:
         emit_json(result)
     else:
@@ -690,6 +694,18 @@ def bench(
 
 def bench_json(result: dict) -> bytes:
     return (json.dumps(result, ensure_ascii=False, indent=1) + "\n").encode()
+
+
+def load_saved_bench(path: Path | None) -> dict | None:
+    """The run `--resume` continues: the JSON in --out, or None when there is none yet (a fresh start)."""
+    if path is None:
+        raise UsageError("--resume continues the run saved in --out: give --out")
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--resume: cannot read {path}: {exc.__class__.__name__}") from None
 
 
 def save_bench(partial: dict, path: Path) -> None:

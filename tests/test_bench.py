@@ -281,3 +281,39 @@ def test_checkpoints_hold_every_window_measured_so_far(session, document, result
                for row in per.values())
     assert final["complete"] is True
     assert without_timings(seen[-1][tasks[-1]]) == without_timings(json.loads(json.dumps(final[tasks[-1]])))
+
+
+def test_a_resumed_run_keeps_the_saved_windows_and_measures_the_rest(session, document, result):
+    """Stopped after its first window and resumed (with more windows planned), a run gives the numbers an unbroken
+    run gives: the saved window is kept as it was, the others are measured, and the result says it was resumed."""
+    stopped = []
+    run_bench(session, document, BenchSettings(**{**SETTINGS, "windows": 1, "task": "fidelity"}),
+              checkpoint=lambda partial: stopped.append(json.loads(json.dumps(partial))))
+    saved = stopped[0]
+    saved["fidelity"]["results"]["snapkv"]["20%"]["per_window"]["kl"][0] = 123.0  # kept, not measured again
+    resumed = json.loads(json.dumps(run_bench(session, document, BenchSettings(**{**SETTINGS, "task": "fidelity"}),
+                                              resume=saved)))
+    assert resumed["settings"]["resumed_from"][0]["fidelity"] == 1
+    rows, whole = resumed["fidelity"]["results"]["snapkv"]["20%"]["per_window"], result["fidelity"]["results"]
+    assert rows["kl"][0] == 123.0 and rows["kl"][1:] == whole["snapkv"]["20%"]["per_window"]["kl"][1:]
+    assert resumed["fidelity"]["windows_done"] == SETTINGS["windows"]
+
+
+def test_resume_refuses_a_run_that_measured_something_else(session, document, result):
+    saved = json.loads(json.dumps(result))
+    with pytest.raises(UsageError, match="other settings.*context"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "context": 180}), resume=saved)
+    with pytest.raises(UsageError, match="other settings.*methods"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["snapkv"]}), resume=saved)
+
+
+def test_cli_resume_needs_out_and_a_readable_result(tiny_model_dir, tmp_path):
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet", "--resume"]
+    runner = CliRunner()
+    no_out = runner.invoke(app, base, input=TEXT)
+    assert no_out.exit_code != 0 and "give --out" in no_out.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    bad = runner.invoke(app, [*base, "--out", str(broken)], input=TEXT)
+    assert bad.exit_code != 0 and bad.stderr.startswith("error: --resume") and broken.read_text() == "{not json"
