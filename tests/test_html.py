@@ -1,9 +1,11 @@
 """`klevict inspect --html`: the page is parsed back and checked against the file — one shaded span per streamed
 token, its class from the share of heads that kept it, per-layer counts, escaped metadata, nothing from elsewhere.
-(No headless browser is used: the tests check the markup, not its rendering.)"""
+Where a headless Chromium is installed, the page is also rendered and its DOM read back."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -79,6 +81,26 @@ def test_page_has_a_span_per_token_shaded_by_the_share_that_kept_it(kvc_path, tm
     per_layer = [int(layer.lengths.sum()) for layer in kvc.layers]
     widths = [a["style"] for tag, a in page.tags if a.get("class") == "bar"]
     assert len(widths) == len(per_layer) and "width: 100.0%" in widths[per_layer.index(max(per_layer))]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium on this machine")
+def test_a_browser_renders_every_token_and_a_screenshot(kvc_path, tmp_path):
+    out = tmp_path / "page.html"
+    assert_ok(invoke("inspect", kvc_path, "--html", out))
+    browser = [CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*browser, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    rendered = Page()
+    rendered.feed(dom)
+    assert rendered.spans == parse(out).spans and len(rendered.spans) == len(load_kvc(kvc_path).tokens)
+    shot = tmp_path / "shot.png"
+    subprocess.run([*browser, "--window-size=1000,1200", f"--screenshot={shot}", out.as_uri()], capture_output=True,
+                   timeout=120)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
 def test_page_loads_nothing_from_elsewhere(kvc_path, tmp_path):
