@@ -5,7 +5,8 @@ chunk; the windows measured by both) by different runs into one file, e.g. a met
 
 Each method comes from the first input that has it; a method in two inputs must have the same numbers in both
 (timings aside: the runs are deterministic), else the merge is refused. The full-cache reference and the windows
-come from the first input. The merged file records where every method came from.
+come from the first input; only the windows every input measured are kept (runs stopped at different points are cut
+to the shortest, and their means recomputed). The merged file records where every method came from.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from klevict_cli.bench import summary
 
 SAME = ("model", "model_weights_sha256", "document", "seed", "context", "continuation", "chunk_size",
         "probe_window", "dtype")
@@ -26,6 +29,18 @@ def measured(per_budget: dict, windows: int) -> dict:
     """A method's per-window numbers over the first `windows` windows, timings aside (they vary run to run)."""
     return {b: {k: v[:windows] for k, v in row["per_window"].items() if k not in TIMINGS}
             for b, row in per_budget.items()}
+
+
+def cut(block: dict, windows: int) -> None:
+    """Keep the first `windows` windows of a task's block, and recompute every mean and interval from them."""
+    rows = [block["full"]] + [row for per in block["results"].values() for row in per.values()]
+    for row in rows:
+        for key, values in row["per_window"].items():
+            del values[windows:]
+        for key in row:
+            if key != "per_window" and key in row["per_window"]:
+                row[key] = summary(row["per_window"][key])
+    block["windows_done"] = windows
 
 
 def merge(results: list[dict], names: list[str]) -> dict:
@@ -51,7 +66,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
                         raise SystemExit(f"{name}: method {method} is in an earlier input, with other numbers")
                     continue  # measured twice, the same (timings aside): the first is kept
                 out[task]["results"][method] = per
-            out[task]["windows_done"] = done
+            cut(out[task], done)
         out["settings"]["methods"] += [m for m in other["settings"]["methods"] if m not in out["settings"]["methods"]]
         out["settings"]["method_params"].update(other["settings"]["method_params"])
         out["settings"]["merged_from"][name] = sorted(other["settings"]["methods"])
