@@ -2,15 +2,28 @@
 # The peer comparison of docs/benchmarks.md, on 4,096-token contexts of two public-domain texts: kl (as summarize
 # reads) and kl-reconstruct (as compress reads) against the strongest peers at 50/20/10/5 % kept; then needle
 # retrieval at 20/10 % in 2,048-token haystacks (in 4,096-token ones the default model answers 1 of 8 planted facts
-# even from the full cache). Raw results go to benchmarks/results/.
-# Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS]
+# even from the full cache). The peers and klevict's own methods run separately (the peers take most of the time and
+# do not change when kl does), each resumable (--resume: a stopped run keeps its windows; run again to go on), and
+# are merged on the windows both measured. Raw results go to benchmarks/results/.
+# Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,needle]
 set -euo pipefail
-moby=$1; hamlet=$2; windows=${3:-2}; haystacks=${4:-10}
-out=$(dirname "$0")/results
-methods=kl,kl-reconstruct,kvgrad,kvzip,expected_attention,observed_attention
+moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=${5:-peers,kl,needle}
+here=$(dirname "$0"); out=$here/results
+mkdir -p "$out/parts"
+fidelity() {  # NAME TEXT METHODS PART
+  klevict bench "$2" --methods "$3" --budgets 50%,20%,10%,5% --windows "$windows" --context 4096 --seed 0 --quiet \
+    --resume --out "$out/parts/$4-$1-4k.json" > /dev/null
+}
 for pair in "moby:$moby" "hamlet:$hamlet"; do
-  klevict bench "${pair#*:}" --methods $methods --budgets 50%,20%,10%,5% --windows "$windows" --context 4096 \
-    --seed 0 --quiet --out "$out/peers-${pair%%:*}-4k.json" > /dev/null
+  name=${pair%%:*}; text=${pair#*:}
+  [[ $parts == *peers* ]] && fidelity "$name" "$text" kvgrad,kvzip,expected_attention,observed_attention peers
+  [[ $parts == *kl* ]] && fidelity "$name" "$text" kl,kl-reconstruct kl
+  if [[ -f $out/parts/peers-$name-4k.json && -f $out/parts/kl-$name-4k.json ]]; then
+    python "$here/merge_results.py" "$out/parts/kl-$name-4k.json" "$out/parts/peers-$name-4k.json" \
+      -o "$out/peers-$name-4k.json"
+  fi
 done
-klevict bench "$moby" --task needle --methods kl,kl-reconstruct --budgets 20%,10% --windows "$haystacks" --needles 4 \
-  --context 2048 --seed 0 --quiet --out "$out/needle-moby-2k.json" > /dev/null
+if [[ $parts == *needle* ]]; then
+  klevict bench "$moby" --task needle --methods kl,kl-reconstruct --budgets 20%,10% --windows "$haystacks" \
+    --needles 4 --context 2048 --seed 0 --quiet --resume --out "$out/needle-moby-2k.json" > /dev/null
+fi
