@@ -1,0 +1,149 @@
+"""Operators launched and host syncs per eviction and per decoded token, counted with torch.profiler on the CPU.
+
+    python examples/op_count.py                         # random Llama-shaped models with 2, 4 and 8 layers
+    python examples/op_count.py --layers 4,16 --method kl --json benchmarks/results/op-count.json
+
+On a GPU every operator is at least one kernel launch and every host sync stalls the launch queue, so a step that
+launches operators per layer, or reads tensor values back (`.item()`, `.tolist()`, a tensor in an `if`, a
+data-dependent shape such as `nonzero`), is slow however little arithmetic it does. Both can be counted on the CPU:
+the count is the same, only the cost differs. This script reads the same tokens with models that differ only in
+their number of layers and counts, inside each eviction (scoring, calibration, look-ahead drafts, selection) and
+each decoded token, the top-level aten operators and the value reads (`aten::_local_scalar_dense`, which every
+`.item()`/`.tolist()`/truth test of a tensor goes through, and `aten::nonzero`). If scoring is batched across
+layers, the operators per eviction stop growing with the layer count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from klevict_cli.adapters import adapter_for
+from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.engine import Engine
+from klevict_cli.policies import make_policy
+
+SYNCS = ("aten::_local_scalar_dense", "aten::nonzero")
+SCOPES = ("eviction", "decode")
+
+
+def tiny_model(layers: int, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama-shaped model: only the number of layers varies between the models compared."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def counted(engine_cls):
+    """Engine methods wrapped in profiler scopes: the evictions of a read and each decoded token."""
+    class Counted(engine_cls):
+        def evict(self, *args, **kwargs):
+            with record_function("eviction"):
+                return super().evict(*args, **kwargs)
+
+        def evict_with(self, *args, **kwargs):
+            with record_function("eviction"):
+                return super().evict_with(*args, **kwargs)
+
+        def reconstruct(self, *args, **kwargs):
+            with record_function("eviction"):
+                return super().reconstruct(*args, **kwargs)
+
+    return Counted
+
+
+def count(prof, scope: str) -> tuple[Counter, int, int]:
+    """Inside `scope`: the top-level aten operators (not those another operator calls), the value reads (at any
+    depth: `.item()` reaches `_local_scalar_dense` through `aten::item`), and how many scopes ran."""
+    ops: Counter = Counter()
+    syncs = scopes = 0
+    for event in prof.events():
+        if event.name == scope and _outer_scope(event) is None:
+            scopes += 1
+        if not event.name.startswith("aten::"):
+            continue
+        parent, inside, top = event.cpu_parent, False, True
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                top = False
+            if parent.name == scope:
+                inside = True
+                break
+            parent = parent.cpu_parent
+        if inside:
+            ops[event.name] += top
+            syncs += event.name in SYNCS
+    return ops, syncs, scopes
+
+
+def _outer_scope(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in SCOPES:
+            return parent
+        parent = parent.cpu_parent
+    return None
+
+
+def measure(layers: int, method: str, tokens: int, budget: int, chunk: int, decode: int) -> dict:
+    model = tiny_model(layers)
+    policy = make_policy(method)
+    engine = counted(Engine)(model, adapter_for(model), policy, budget, chunk_size=chunk, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.feed(engine.new_stream(), ids)  # warm-up: first-call costs (vmap tracing) off the count
+    stream = engine.new_stream()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.feed(stream, ids)
+        with record_function("decode"):
+            for _ in range(decode):
+                engine.forward(stream, [1])
+    evict_ops, evict_syncs, evictions = count(prof, "eviction")
+    decode_ops, decode_syncs, _ = count(prof, "decode")
+    per = max(evictions, 1)
+    return {
+        "layers": layers, "evictions": evictions,
+        "ops_per_eviction": sum(evict_ops.values()) / per,
+        "syncs_per_eviction": evict_syncs / per,
+        "ops_per_token": sum(decode_ops.values()) / max(decode, 1),
+        "syncs_per_token": decode_syncs / max(decode, 1),
+        "top_ops_per_eviction": {k: v / per for k, v in evict_ops.most_common(8)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="2,4,8")
+    parser.add_argument("--method", default="kl")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=8, help="decoded tokens counted")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [measure(int(n), args.method, args.tokens, args.budget, args.chunk_size, args.decode)
+            for n in args.layers.split(",")]
+    print(f"\n{args.method}, {args.tokens} tokens, budget {args.budget}, chunks of {args.chunk_size}; CPU, "
+          f"torch {torch.__version__}")
+    print("\n| layers | evictions | operators per eviction | value reads per eviction | operators per decoded token "
+          "| value reads per token |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['evictions']} | {r['ops_per_eviction']:.0f} | {r['syncs_per_eviction']:.0f} | "
+              f"{r['ops_per_token']:.0f} | {r['syncs_per_token']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"method": args.method, "tokens": args.tokens, "budget": args.budget,
+                                               "chunk_size": args.chunk_size, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
