@@ -59,6 +59,17 @@ class ForwardContext:
     # layer -> (H_kv, C) bool: record the probes' attention to these entries only (where the attention kernel gives
     # each row's log-sum-exp, so the full (W × C) map need not be computed); None: every entry
     probe_entries: Callable | None = None
+    # layer -> (H_kv, C) bool: the cached entries this forward's tokens may attend to, besides each other (the rest
+    # of the cache is hidden from them); None: every valid entry
+    attend_entries: Callable | None = None
+
+    def visible(self, layer) -> torch.Tensor:
+        """(H_kv, C) bool: the entries of `layer` this forward attends to (causality and windows apart): the
+        `attend_entries`, and this forward's own."""
+        if self.attend_entries is None:
+            return layer.valid
+        own = layer.rope_positions >= self.query_positions[0]
+        return layer.valid & (self.attend_entries(layer) | own)
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
@@ -73,11 +84,11 @@ def forward_context(ctx: ForwardContext):
         _current.reset(token)
 
 
-def attention_mask(cache_layer, query_positions: torch.Tensor) -> torch.Tensor:
-    """(H_kv, T, C) bool: which cached entries each query may attend to."""
+def attention_mask(cache_layer, query_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """(H_kv, T, C) bool: which cached entries each query may attend to (of the `visible` ones, default valid)."""
     kpos = cache_layer.rope_positions[:, None, :]
     qpos = query_positions[None, :, None]
-    allowed = cache_layer.valid[:, None, :] & (kpos <= qpos)
+    allowed = (cache_layer.valid if visible is None else visible)[:, None, :] & (kpos <= qpos)
     if cache_layer.window is not None:
         allowed &= kpos > qpos - cache_layer.window
     return allowed
@@ -115,6 +126,17 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     return past_out * past_weight + chunk_out * (1 - past_weight), total
 
 
+def _gather_past(k, v, past_visible, groups, t):
+    """Keys and values (1, Hq, ·, D) cut to each head's visible past entries (left-aligned, padded) followed by the
+    chunk's own `t`, and which of the gathered past columns are real (H_kv, n)."""
+    columns, present = mask_columns(past_visible)
+    index = columns.repeat_interleave(groups, dim=0)[None, :, :, None]
+    past = k.shape[2] - t
+    k = torch.cat([k[:, :, :past].gather(2, index.expand(-1, -1, -1, k.shape[-1])), k[:, :, past:]], dim=2)
+    v = torch.cat([v[:, :, :past].gather(2, index.expand(-1, -1, -1, v.shape[-1])), v[:, :, past:]], dim=2)
+    return k, v, present
+
+
 def _attend_grouped(query, key, value, allowed, scaling):
     """Masked attention with each KV group's query heads stacked as extra rows of one head, so the cache is read
     as it is instead of being copied once per query head (decoding reads the whole cache for every token).
@@ -149,13 +171,16 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
     lse = None
+    visible = ctx.visible(layer)
     if _can_split(layer, query, value):
         k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
         v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-        out, lse = _attend_past_then_chunk(query, k, v, layer.valid[:, : key.shape[2] - query.shape[2]], groups,
-                                           scaling)
+        past_visible = visible[:, : key.shape[2] - query.shape[2]]
+        if ctx.attend_entries is not None:  # attend to the few visible past entries only: gather them
+            k, v, past_visible = _gather_past(k, v, past_visible, groups, query.shape[2])
+        out, lse = _attend_past_then_chunk(query, k, v, past_visible, groups, scaling)
     else:
-        out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions), scaling)
+        out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions, visible), scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.observer is not None:
@@ -179,7 +204,7 @@ def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerPr
     # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
     rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(q.shape[0], w, -1) * scaling
-    allowed = attention_mask(layer, ctx.query_positions[-w:])
+    allowed = attention_mask(layer, ctx.query_positions[-w:], ctx.visible(layer))
     if columns is None:
         weights = logits.masked_fill(~allowed.repeat_interleave(groups, dim=0), float("-inf")).softmax(dim=-1)
     else:

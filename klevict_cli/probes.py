@@ -72,13 +72,18 @@ class Reconstruction:
 
     `first` is the instruction before the first span; later spans get `later` followed by the last `overlap` tokens
     of the span before, so that the model knows where to resume; `suffix` opens the answer (the chat frame's
-    assistant header)."""
+    assistant header). `sees`: "all" — the re-reading attends to the whole cache (KVzip); "span" — only to the
+    attention sinks and the span being re-read (and itself), which costs a span's attention instead of the cache's
+    and judges the span's entries by what copying the span needs of them alone."""
 
-    def __init__(self, first: list[int], later: list[int], suffix: list[int], span: int = 128, overlap: int = 8):
+    def __init__(self, first: list[int], later: list[int], suffix: list[int], span: int = 128, overlap: int = 8,
+                 sees: str = "all"):
         if span < 1:
             raise ValueError("a reconstruction span needs at least one token")
+        if sees not in ("all", "span"):
+            raise ValueError(f"a re-reading sees 'all' the cache or its 'span', not {sees!r}")
         self.first, self.later, self.suffix = first, later, suffix
-        self.span, self.overlap = span, overlap
+        self.span, self.overlap, self.sees = span, overlap, sees
 
     @classmethod
     def for_tokenizer(cls, tokenizer, suffix: list[int], **kwargs) -> Reconstruction:
@@ -96,8 +101,9 @@ class Reconstruction:
             ids = prompt + self.suffix + stream.tokens[lo:hi]
             if stream.next_rope + len(ids) > engine.adapter.max_positions:
                 return  # no room left in the model's positions to re-read
-            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo,
-                                         probe_entries=functools.partial(_span_entries, lo, hi, end))
+            entries = functools.partial(_span_entries, lo, hi, end)
+            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo, probe_entries=entries,
+                                         attend_entries=entries if self.sees == "span" else None)
             yield ProbeSet(ctx, logits, len(ids), hi - lo, judged=(lo, hi))
 
 

@@ -101,7 +101,8 @@ class Session:
             self.lm.model, self.adapter, policy, budget,
             chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
             head_cap=head_cap, working=working_entries(settings.working, budget),
-            reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing) if wanted else None,
+            reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
+                                                        sees=policy.reconstruction_sees) if wanted else None,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------

@@ -322,3 +322,59 @@ def test_max_memory_sets_the_largest_working_limit_that_fits(model):
 def test_compact_positions_cap_the_working_limit(model):
     engine = Engine(model, adapter_for(model), KL(), budget=20, chunk_size=16, mode="compact", head_cap=50)
     assert engine.working == 50
+
+
+@pytest.mark.parametrize("tokens", [1, 10])  # one token: the masked grouped path; a chunk: gathered past + chunk
+@torch.inference_mode()
+def test_attending_to_some_entries_is_reading_with_the_others_evicted(model, tokens):
+    """A forward that sees only some cached entries (`attend_entries`, how a re-reading sees only its span) gives
+    the logits and probe statistics of the same forward over a cache that holds only those entries."""
+    ids = torch.randint(0, 300, (60,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    evicted = stream.clone()
+
+    def span(layer):
+        return (layer.positions < 4) | ((layer.positions >= 20) & (layer.positions < 36))
+
+    for layer in evicted.cache.layers:
+        layer.keep(span(layer))
+    new = torch.randint(0, 300, (tokens,)).tolist()
+    seeing, ctx = engine.forward(stream, new, probe_rows=tokens, probe_entries=span, attend_entries=span)
+    alone, ref = engine.forward(evicted, new, probe_rows=tokens)
+    assert torch.allclose(seeing, alone, atol=1e-4)
+    for i, probe in ctx.probes.items():
+        assert torch.allclose(probe.output, ref.probes[i].output, atol=1e-5)
+        positions = stream.cache.layers[i].positions
+        columns = probe.columns if probe.columns is not None else torch.arange(positions.shape[1]).expand_as(positions)
+        kept = positions.gather(1, columns)
+        ref_positions = evicted.cache.layers[i].positions
+        for h in range(positions.shape[0]):  # the weight on each entry, by position
+            groups = probe.weights.shape[0] // positions.shape[0]
+            for g in range(groups):
+                q = h * groups + g
+                mine = {int(p): float(w) for p, w in zip(kept[h], probe.weights[q, -1]) if w > 0}
+                theirs = {int(p): float(w) for p, w in zip(ref_positions[h], ref.probes[i].weights[q, -1])
+                          if w > 0 and (probe.columns is None or p < 36)}  # recorded: the span's entries only
+                assert mine.keys() == theirs.keys() and any(p >= 20 for p in mine)
+                assert all(abs(mine[p] - theirs[p]) < 1e-5 for p in mine)
+
+
+def test_a_re_reading_sees_the_whole_cache_or_only_its_span(model):
+    ids = torch.randint(0, 300, (70,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    for sees in ("all", "span"):
+        source = Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=16, overlap=3, sees=sees)
+        probe_set = next(source.probe_sets(engine, stream, 20))
+        layer = stream.cache.layers[0]
+        visible = probe_set.ctx.visible(layer)
+        hidden = layer.valid & ~visible
+        assert (not hidden.any()) if sees == "all" else bool(
+            ((layer.positions[hidden] >= 4) & ~((layer.positions[hidden] >= 20) & (layer.positions[hidden] < 36))).all()
+            and hidden.any())
+        engine.forget_drafts(stream, probe_set.appended)
+    with pytest.raises(ValueError, match="sees"):
+        Reconstruction(first=[7], later=[8], suffix=[9], sees="everything")

@@ -47,6 +47,10 @@ class Policy:
     # Reconstruction probes (probes.Reconstruction): "never" used, "optional" (used when the caller asks, e.g.
     # `compress` with kl), or "required" (kvzip, kvgrad: the method is defined by them).
     reconstruction: str = "never"
+    # How the re-reading runs: spans of this many tokens, each seeing the whole cache ("all", as KVzip re-reads) or
+    # only the attention sinks and the span it copies ("span": cheaper, and judges the span's entries on their own)
+    reconstruction_span: int = 128
+    reconstruction_sees: str = "all"
     observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:

@@ -43,7 +43,7 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 64,
-                 reconstruction_weight: float = 0.01):
+                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -54,6 +54,7 @@ class KL(Policy):
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         self.lookahead = lookahead
         self.reconstruction_weight = reconstruction_weight
+        self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -80,7 +81,8 @@ class KL(Policy):
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
-                "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight)}
+                "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight),
+                "reconstruction_rank": str(self.reconstruction_rank)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -113,7 +115,7 @@ class KL(Policy):
         """Add the re-reading's direct-path KL to each judged entry's stored score. Uncalibrated: the calibration
         is learnt from the probes of the first eviction (the text read or drafted, not a re-reading, whose copying
         queries weigh heads differently) and applied when the stored scores are used."""
-        for i, s in self.direct_scores(step, layer_ids).items():
+        for i, s in self.direct_scores(step, layer_ids, self.reconstruction_rank).items():
             layer = step.cache.layers[i]
             layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + s.float()
 
@@ -127,10 +129,12 @@ class KL(Policy):
                                                   per_head=self.calibrate_per == "head")
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
-    def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+    def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
+                      ) -> dict[int, torch.Tensor]:
         adapter = step.adapter
         factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight,
-                                 self.top_k, self.rank, jacobian_scale=adapter.logit_jacobian_scale(step.logits))
+                                 self.top_k, rank or self.rank,
+                                 jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         out = {}
         for i in layer_ids:
             readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output),
