@@ -244,7 +244,8 @@ class Engine:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False,
-                      judged: tuple[int, int] | None = None, kept_fraction: float | None = None) -> EvictionStep:
+                      judged: tuple[int, int] | None = None, budget: int | None = None, appended: int = 0
+                      ) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
@@ -256,7 +257,8 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
-            kept_fraction=kept_fraction,
+            kept_fraction=self.kept_fraction(stream, budget, appended),
+            budget=self.budget if budget is None else budget,
             backward=lambda samples, live: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-w:],
                 torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
@@ -277,14 +279,14 @@ class Engine:
         last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
-        step = self.eviction_step(stream, ctx, logits, w, final, kept_fraction=self.kept_fraction(stream, budget))
+        step = self.eviction_step(stream, ctx, logits, w, final, budget=budget)
         scores = self.policy.score_layers(step, list(scored))
         self._keep_best(stream, scores, recent, budget, keep)
 
-    def kept_fraction(self, stream: Stream, budget: int | None) -> float | None:
-        """What part of the tokens read so far the eviction keeps (before any probes are appended)."""
+    def kept_fraction(self, stream: Stream, budget: int | None, appended: int = 0) -> float | None:
+        """What part of the tokens read so far the eviction keeps (not counting `appended` probe tokens)."""
         budget = self.budget if budget is None else budget
-        return None if budget is None else min(1.0, budget / max(1, stream.next_position))
+        return None if budget is None else min(1.0, budget / max(1, stream.next_position - appended))
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
@@ -293,11 +295,10 @@ class Engine:
         set is scored and forgotten in turn, and the entries' scores add up over the sets."""
         scored = self._scored_layers(stream)
         held = {i: layer.capacity for i, layer in scored.items()}
-        fraction = self.kept_fraction(stream, budget)
         total: dict[int, torch.Tensor] = {}
         for probe_set in probe_sets:
-            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final,
-                                      kept_fraction=fraction)
+            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
+                                      appended=probe_set.appended)
             for i, s in self.policy.score_layers(step, list(scored)).items():
                 s = s[:, : held[i]].float()
                 total[i] = total[i] + s if i in total else s
@@ -335,7 +336,7 @@ class Engine:
         scored = list(self._scored_layers(stream))
         for probe_set in self.reconstruction.probe_sets(self, stream, stream.reconstructed):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
-                                      judged=probe_set.judged)
+                                      judged=probe_set.judged, appended=probe_set.appended)
             step.read_end = stream.next_position - probe_set.appended
             self.policy.absorb_reconstruction(step, scored)
             self.forget_drafts(stream, probe_set.appended)

@@ -147,13 +147,38 @@ def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
         logits, ctx = engine.probe_again(stream, 8)
         layers = list(range(len(stream.cache.layers)))
         look_ahead = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8), layers)
-        scored = [kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, kept_fraction=fraction), layers)
-                  for fraction in (0.1, 0.4)]
+        scored = [kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=round(fraction * 90)), layers)
+                  for fraction in (0.1, 0.4)]  # the budget over the 90 tokens read
     for got, fraction in zip(scored, (0.1, 0.4)):
         for i in layers:
             stored = stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None]
             expected = look_ahead[i] + kl.weight_of_reconstruction(fraction) * stored
             assert torch.allclose(got[i], expected, rtol=1e-5, atol=1e-12)
+
+
+def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model):
+    """With question_share, the entries with the highest (calibrated) re-reading KL — that share of the budget,
+    over all layers and heads — score above every other entry, and the rest keep their order."""
+    ids = torch.randint(0, 300, (90,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25), budget=40, chunk_size=32,
+                    probe_window=8, reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    kl, layers = engine.policy, list(range(len(stream.cache.layers)))
+    with torch.inference_mode():
+        logits, ctx = engine.probe_again(stream, 8)
+        got = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
+        kl.question_share = 0.0
+        plain = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
+    valid = [stream.cache.layers[i].valid for i in layers]
+    stored = torch.cat([(stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None])[v]
+                        for i, v in zip(layers, valid)])
+    heads = sum(v.shape[0] for v in valid)
+    lifted = torch.cat([(g - p)[v] for g, p, v in zip(got.values(), plain.values(), valid)]) > 0
+    assert int(lifted.sum()) == int(0.25 * 20 * heads)
+    assert torch.equal(lifted, stored >= stored.topk(int(lifted.sum())).values[-1])
+    scores = torch.cat([g[v] for g, v in zip(got.values(), valid)])
+    assert scores[lifted].min() > scores[~lifted].max()
 
 
 def assert_max_of_restricted_attention(got, weights, inside, judged, factor):

@@ -31,6 +31,7 @@ class EvictionStep:
     judged: tuple[int, int] | None = None  # only entries at positions [lo, hi) are judged (reconstruction probes)
     read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
     kept_fraction: float | None = None  # the budget over the tokens read so far (how much of the document survives)
+    budget: int | None = None  # entries per head (on average) the eviction keeps
     # (S samples, live probes) -> per layer (W, S, Hq, Dv) gradients (klevict_cli/fisher.py)
     backward: Callable[[int, bool], dict[int, torch.Tensor]] | None = None
     # () -> per layer (W,) ‖∂Φ/∂a‖, KVgrad's sensitivity of the probes' final residuals (klevict_cli/fisher.py)

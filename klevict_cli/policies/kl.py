@@ -43,7 +43,7 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 64,
-                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4):
+                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.0):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -55,6 +55,7 @@ class KL(Policy):
         self.lookahead = lookahead
         self.reconstruction_weight = reconstruction_weight
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
+        self.question_share = question_share  # of the budget, kept for the re-reading's most needed entries
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -82,7 +83,8 @@ class KL(Policy):
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
                 "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight),
-                "reconstruction_rank": str(self.reconstruction_rank)}
+                "reconstruction_rank": str(self.reconstruction_rank),
+                "question_share": str(self.question_share)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -99,6 +101,27 @@ class KL(Policy):
             weight = self.weight_of_reconstruction(step.kept_fraction)
             for i, s in stored.items():
                 scores[i] = scores[i] + weight * s.to(scores[i])
+            if self.question_share > 0 and step.budget is not None:
+                scores = self.reserve_for_questions(step, scores, stored)
+        return scores
+
+    def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
+                              stored: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Lift the entries the re-reading found most needed — `question_share` of the budget, by one top-k over
+        every layer and head — above every other score, so that they are kept whatever the look-ahead says: what a
+        question about the document needs is what re-reading it needs, and at tight budgets a weighted sum lets the
+        next text's needs crowd it out."""
+        layers = {i: step.cache.layers[i] for i in stored}
+        flat = torch.cat([s.float().masked_fill(~layers[i].valid, float("-inf")).flatten() for i, s in stored.items()])
+        heads = sum(layer.valid.shape[0] for layer in layers.values())
+        count = min(int(self.question_share * step.budget * heads), int(torch.isfinite(flat).sum()))
+        if count <= 0:
+            return scores
+        threshold = flat.topk(count).values[-1]
+        lift = max(float(s.float().max()) for s in scores.values()) + 1.0
+        for i, s in stored.items():
+            chosen = layers[i].valid & (s.float() >= threshold)
+            scores[i] = scores[i] + lift * chosen.to(scores[i])
         return scores
 
     def weight_of_reconstruction(self, kept_fraction: float | None) -> float:
