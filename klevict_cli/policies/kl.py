@@ -42,7 +42,7 @@ class KL(Policy):
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64,
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
                  reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.0):
         self.propagation = propagation
         self.allocation = allocation
