@@ -84,13 +84,13 @@ def headline_text(found: dict[Path, dict], choice: str | None) -> str:
         chosen = [p for p in found if p.name == choice]
         if not chosen or "fidelity" not in found[chosen[0]]:
             raise SystemExit(f"--headline {choice}: no fidelity result of that name under {RESULTS.as_posix()}/")
-        path = chosen[0]
+        paths = chosen[:1]
     else:
-        path = results.headline_choice(found)
-    if path is None:
+        paths = results.headline_choice(found)
+    if not paths:
         return ("No benchmark results are committed yet; [docs/benchmarks.md](docs/benchmarks.md) says how to "
                 "produce them.")
-    return "\n".join(results.headline(path, found[path], DOCS.as_posix()))
+    return "\n".join(results.headline(paths, [found[p] for p in paths], DOCS.as_posix()))
 
 
 def replace_between(text: str, marks: tuple[str, str], body: str, name: Path) -> str:

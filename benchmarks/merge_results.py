@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from klevict_cli.bench import summary
+from klevict_cli.results import resummarise
 
 SAME = ("model", "model_weights_sha256", "document", "seed", "context", "continuation", "chunk_size",
         "probe_window", "dtype")
@@ -37,9 +37,7 @@ def cut(block: dict, windows: int) -> None:
     for row in rows:
         for key, values in row["per_window"].items():
             del values[windows:]
-        for key in row:
-            if key != "per_window" and key in row["per_window"]:
-                row[key] = summary(row["per_window"][key])
+        resummarise(row)
     block["windows_done"] = windows
 
 

@@ -17,7 +17,7 @@ import random
 import torch
 
 from klevict_cli.attention import ATTENTION_NAME
-from klevict_cli.bench import summary as mean_ci
+from klevict_cli.results import summary as mean_ci
 from klevict_cli.documents import load_document
 from klevict_cli.engine import Engine
 from klevict_cli.models import load_model

@@ -43,9 +43,9 @@ from klevict_cli.options import Budget, parse_budget
 from klevict_cli.policies import make_policy
 from klevict_cli.display import shown
 from klevict_cli.prompts import bos_ids, encode_text
+from klevict_cli.results import summary
 
 TASKS = ("fidelity", "needle", "recall", "both", "all")  # both: fidelity + needle; all: the three
-Z95 = 1.96  # normal approximation for the 95 % interval of a mean over windows
 ADJECTIVES = ("red", "blue", "green", "golden", "silver", "purple", "orange", "spotted", "striped", "sleepy",
               "angry", "clever", "tiny", "giant", "quiet", "brave")
 ANIMALS = ("fox", "owl", "tiger", "whale", "rabbit", "eagle", "wolf", "turtle", "otter", "falcon", "badger", "lynx",
@@ -149,17 +149,6 @@ def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets:
     nll = -lp_comp.gather(1, targets[:, None].to(lp_comp.device))[:, 0]
     return {"kl": float(kl.mean()), "top1": float(agree.mean()), "nll": float(nll.mean()),
             "perplexity": math.exp(float(nll.mean()))}
-
-
-def summary(values: list[float | None]) -> dict:
-    """Mean over windows with a 95 % interval half-width (1.96·sd/√n; 0 for one window)."""
-    xs = [float(v) for v in values if v is not None]
-    n = len(xs)
-    if not n:
-        return {"mean": None, "ci95": None, "n": 0}
-    mean = sum(xs) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "ci95": Z95 * sd / math.sqrt(n), "n": n}
 
 
 # ---- windows and haystacks -------------------------------------------------------------------------------------

@@ -32,6 +32,24 @@ def load_result(path: Path) -> dict | None:
 TASKS = ("fidelity", "needle", "recall")
 
 
+def summary(values: list[float | None]) -> dict:
+    """Mean over windows with a 95 % interval half-width (1.96·sd/√n; 0 for one window)."""
+    xs = [float(v) for v in values if v is not None]
+    n = len(xs)
+    if not n:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "ci95": Z95 * sd / math.sqrt(n), "n": n}
+
+
+def resummarise(row: dict) -> None:
+    """Recompute a result row's means and intervals from its per-window numbers (after windows were cut or added)."""
+    for key in row:
+        if key != "per_window" and key in row["per_window"]:
+            row[key] = summary(row["per_window"][key])
+
+
 def windows_text(result: dict) -> str:
     """How many windows were measured: all of them, or (a run stopped early) how many of how many."""
     planned = result["settings"]["windows"]
@@ -234,15 +252,57 @@ def file_section(path: Path, result: dict, plot: Path | None = None) -> list[str
 
 
 # ---- the README's headline -------------------------------------------------------------------------------------
-def headline_choice(results: dict[Path, dict]) -> Path | None:
-    """The fidelity result with kl and the most methods (then the most windows, then the latest name)."""
-    usable = [(len(r["fidelity"]["results"]), r["settings"]["windows"], p.name, p) for p, r in results.items()
+def protocol(result: dict) -> tuple:
+    """What makes two fidelity results comparable window for window: the methods, budgets, model and reading."""
+    s = result["settings"]
+    return (tuple(sorted(result["fidelity"]["results"])), tuple(budgets(result)), s["model"], s["context"],
+            s["continuation"], s["chunk_size"], s["probe_window"], s["seed"])
+
+
+def headline_choice(results: dict[Path, dict]) -> list[Path]:
+    """The fidelity results with kl and the most methods, measured the same way (`protocol`), all of them: on
+    different texts they are pooled (`pool`). Ties go to the most windows, then the latest names."""
+    usable = [p for p, r in results.items()
               if "fidelity" in r and SUBJECT in r["fidelity"]["results"] and peers(r["fidelity"]["results"])]
-    return max(usable)[3] if usable else None
+    groups: dict[tuple, list[Path]] = {}
+    for p in sorted(usable):
+        groups.setdefault(protocol(results[p]), []).append(p)
+    if not groups:
+        return []
+    return max(groups.values(), key=lambda ps: (len(protocol(results[ps[0]])[0]),
+                                                sum(len(results[p]["fidelity"]["full"]["per_window"]["seconds"])
+                                                    for p in ps), [p.name for p in ps]))
 
 
-def headline(path: Path, result: dict, link: str) -> list[str]:
-    """One table: kl against the best other method per budget, paired by window; and one cost sentence."""
+def pool(parts: list[dict]) -> dict:
+    """Fidelity results measured the same way on different texts as one result: their windows side by side (the
+    per-window numbers concatenated, the means and intervals recomputed), the texts named together."""
+    out = json.loads(json.dumps({k: v for k, v in parts[0].items() if k not in TASKS or k == "fidelity"}))
+    if len(parts) == 1:
+        return out
+    fid = out["fidelity"]
+    rows = [("full", None)] + [(m, b) for m, per in fid["results"].items() for b in per]
+    for other in parts[1:]:
+        theirs = other["fidelity"]
+        for method, budget in rows:
+            mine = fid["full"] if budget is None else fid["results"][method][budget]
+            source = theirs["full"] if budget is None else theirs["results"][method][budget]
+            for key, values in source["per_window"].items():
+                mine["per_window"][key] = mine["per_window"].get(key, []) + values
+        fid["windows_done"] = fid.get("windows_done", out["settings"]["windows"]) + theirs.get(
+            "windows_done", other["settings"]["windows"])
+        out["settings"]["windows"] += other["settings"]["windows"]
+    for method, budget in rows:
+        resummarise(fid["full"] if budget is None else fid["results"][method][budget])
+    names = [Path(p["settings"]["document"]["name"]).name for p in parts]
+    out["settings"]["document"] = {"name": " and ".join(names)}
+    return out
+
+
+def headline(paths: list[Path], parts: list[dict], link: str) -> list[str]:
+    """One table: kl against the best other method per budget, paired by window (the windows of every part, pooled);
+    and one cost sentence."""
+    result = pool(parts)
     fid, s = result["fidelity"], result["settings"]
     rows = fid["results"]
     body = []
@@ -259,9 +319,10 @@ def headline(path: Path, result: dict, link: str) -> list[str]:
     return lines + [
         "",
         f"kl against {len(peers(rows))} other methods; {windows_text(result)} of {s['context']:,} tokens of "
-        f"`{md(s['document']['name'])}` then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± 95 % "
-        f"over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw numbers: "
-        f"`{path.as_posix()}`; details and the command: [{link}]({link}).",
+        + " and ".join(f"`{md(Path(p['settings']['document']['name']).name)}`" for p in parts)
+        + f" then {s['continuation']} teacher-forced tokens, model `{md(s['model'])}` on {md(s['device'])}; mean ± "
+        f"95 % over windows; ratio: geometric mean of kl / that method per window, 95 % bootstrap interval. Raw "
+        f"numbers: {', '.join(f'`{p.as_posix()}`' for p in paths)}; details and the command: [{link}]({link}).",
         "",
         "Cost, against a full-cache read of the same window: " + "; ".join(
             f"{subject} {min(c):.2f}–{max(c):.2f}×" for subject in subjects

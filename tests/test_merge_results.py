@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from klevict_cli.bench import summary
+from klevict_cli.results import summary
 
 spec = importlib.util.spec_from_file_location("merge_results",
                                               Path(__file__).parent.parent / "benchmarks" / "merge_results.py")

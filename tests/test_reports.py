@@ -14,6 +14,7 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import BenchSettings, run_bench
 from klevict_cli.documents import Document
 from klevict_cli.models import LoadedModel
+from klevict_cli import results
 from klevict_cli.results import accuracy_text, md, paired_ratio, peers, wilson
 from klevict_cli.session import Session
 from tests.conftest import CORPUS, make_tokenizer, tiny_llama
@@ -107,6 +108,28 @@ def test_tables_from_a_result_file(tmp_path, result):
     assert f"| 20% | " in readme and best in readme and "`benchmarks/results/tiny.json`" in readme
     assert "kl-layer" not in readme.split("Cost:")[0].split("\n| 20%")[1]  # a variant is not "another method"
     assert make_tables.main(["--root", str(root), "--check"]) == 0
+
+
+def test_the_headline_pools_the_same_measurement_on_several_texts(tmp_path, result):
+    other = json.loads(json.dumps(result))
+    other["settings"]["document"]["name"] = "/some/where/hamlet.md"
+    for per in other["fidelity"]["results"].values():  # another text: other numbers
+        for row in per.values():
+            row["per_window"]["kl"] = [2 * x for x in row["per_window"]["kl"]]
+    root = tree(tmp_path, {"moby.json": result, "hamlet.json": other})
+    assert make_tables.main(["--root", str(root)]) == 0
+    readme = generated(root, "README.md", make_tables.HEADLINE)
+    assert "`benchmarks/results/hamlet.json`, `benchmarks/results/moby.json`" in readme
+    assert "6 windows of 200 tokens of `hamlet.md` and `corpus \\| \\<b\\>.txt`" in readme
+    pooled = results.pool([result, other])
+    kl = pooled["fidelity"]["results"]["kl"]["20%"]
+    assert kl["per_window"]["kl"] == result["fidelity"]["results"]["kl"]["20%"]["per_window"]["kl"] + [
+        2 * x for x in result["fidelity"]["results"]["kl"]["20%"]["per_window"]["kl"]]
+    mean = result["fidelity"]["results"]["kl"]["20%"]["kl"]["mean"]
+    assert kl["kl"]["n"] == 6 and kl["kl"]["mean"] == pytest.approx(1.5 * mean)
+    changed = json.loads(json.dumps(other))
+    changed["settings"]["context"] = 100  # measured otherwise: never pooled
+    assert len(results.headline_choice({Path("a.json"): result, Path("b.json"): changed})) == 1
 
 
 def test_check_fails_when_a_result_changes(tmp_path, result):
