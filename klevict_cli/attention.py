@@ -186,13 +186,14 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     if ctx.observer is not None:
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling)
     if ctx.probe_rows:
-        ctx.probes[layer_idx] = _probe(ctx, layer, query, key, out, lse, scaling)
+        ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerProbe:
-    """The probe rows' statistics: their attention over the cache (or over `ctx.probe_entries` only, normalised by
-    the kernel's log-sum-exp), queries and head outputs."""
+def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:
+    """The probe rows' statistics: their attention over the `visible` cache entries (ForwardContext.visible, as the
+    forward attended; or over `ctx.probe_entries` only, normalised by the kernel's log-sum-exp), queries and head
+    outputs."""
     w = min(ctx.probe_rows, query.shape[2])
     q = query[0, :, -w:]
     groups = query.shape[1] // key.shape[1]
@@ -204,7 +205,7 @@ def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerPr
     # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
     rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(q.shape[0], w, -1) * scaling
-    allowed = attention_mask(layer, ctx.query_positions[-w:], ctx.visible(layer))
+    allowed = attention_mask(layer, ctx.query_positions[-w:], visible)
     if columns is None:
         weights = logits.masked_fill(~allowed.repeat_interleave(groups, dim=0), float("-inf")).softmax(dim=-1)
     else:
