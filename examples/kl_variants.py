@@ -11,6 +11,8 @@ the draft (e.g. the calibration's samples) also shifts the random stream the dra
 bench comparison mostly measures that noise. Here every draft is re-seeded from (draft seed, stream length), the
 same for every variant, and each window's KL is averaged over `--draft-seeds`. Prints, per budget and variant, the
 mean KL and the paired geometric-mean ratio to the default with a bootstrap 95 % interval over windows.
+`--task needle` reads needle haystacks instead (`--windows` of them, `--needles` facts each, `--context` tokens) and
+prints each variant's answers right, next to the full cache's.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def main() -> None:
     parser.add_argument("--draft-seeds", default="1,2,3")
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--task", choices=("fidelity", "needle"), default="fidelity")
+    parser.add_argument("--needles", type=int, default=4)
     args = parser.parse_args()
 
     labels = ["default"] + args.variants
@@ -108,12 +112,19 @@ def main() -> None:
         try:
             for (working, reconstruct), methods in groups.items():
                 settings = BenchSettings(methods=methods, budgets=args.budgets.split(","), windows=args.windows,
-                                         context=args.context, continuation=256, seed=args.seed, task="fidelity",
-                                         working=working, reconstruct=reconstruct)
-                merged.update(run_bench(session, document, settings)["fidelity"]["results"])
+                                         context=args.context, continuation=256, seed=args.seed, task=args.task,
+                                         needles=args.needles, working=working, reconstruct=reconstruct)
+                block = run_bench(session, document, settings)[args.task]
+                merged.update(block["results"])
+                merged["full"] = block["full"]
         finally:
             probes_module.Drafts.probe_sets = original
         runs.append(merged)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=1, default=str))
+    if args.task == "needle":
+        print_needles(runs, labels, args.budgets.split(","))
+        return
     rng = random.Random(0)
     print(f"\nKL per window averaged over draft seeds {args.draft_seeds}; windows of seed {args.seed}")
     print("\n| budget | variant | mean KL | per draft seed | vs default (paired, 95 %) | windows better |")
@@ -130,8 +141,19 @@ def main() -> None:
             better = sum(v < b for v, b in zip(values, base))
             print(f"| {budget} | {label} | {sum(values) / len(values):.4f} | {seeds} | {ratio:.3f} [{low:.3f}, "
                   f"{high:.3f}] | {better}/{len(values)} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=1, default=str))
+
+
+def print_needles(runs: list[dict], labels: list[str], budgets: list[str]) -> None:
+    """Questions answered right, per budget and variant, summed over the draft seeds' runs."""
+    def right(block: dict) -> str:
+        correct = [ok for run in block for window in run for ok in window]
+        return f"{sum(correct)}/{len(correct)}"
+
+    print(f"\nneedles answered right; full cache {right([run['full']['per_window']['correct'] for run in runs])}")
+    print("\n| budget | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
+    for budget in budgets:
+        cells = [right([run[label][budget]["per_window"]["correct"] for run in runs]) for label in labels]
+        print(f"| {budget} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import torch
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, forward_context
-from klevict_cli.cache import KVCache
+from klevict_cli.cache import KVCache, mask_columns
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
 from klevict_cli.probes import Drafts, ProbeSet, Reconstruction
 from klevict_cli.sampling import penalise_repeats, sample
+from klevict_kernels.refit import refit_values
 
 POSITION_MODES = ("auto", "original", "compact")
 WORKING_FACTOR = 4  # default working limit: this many times the budget (docs/method.md, "Lazy eviction")
@@ -281,7 +282,7 @@ class Engine:
         scored = self._scored_layers(stream)
         step = self.eviction_step(stream, ctx, logits, w, final, budget=budget)
         scores = self.policy.score_layers(step, list(scored))
-        self._keep_best(stream, scores, recent, budget, keep)
+        self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, final))
 
     def kept_fraction(self, stream: Stream, budget: int | None, appended: int = 0) -> float | None:
         """What part of the tokens read so far the eviction keeps (not counting `appended` probe tokens)."""
@@ -296,20 +297,45 @@ class Engine:
         scored = self._scored_layers(stream)
         held = {i: layer.capacity for i, layer in scored.items()}
         total: dict[int, torch.Tensor] = {}
+        targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
                                       appended=probe_set.appended)
             for i, s in self.policy.score_layers(step, list(scored)).items():
                 s = s[:, : held[i]].float()
                 total[i] = total[i] + s if i in total else s
+            targets.append(self.refit_targets(stream, probe_set.ctx, final, held))
             self.forget_drafts(stream, probe_set.appended)
         if not total:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
-        self._keep_best(stream, total, recent, budget)
+        self._keep_best(stream, total, recent, budget, targets=_stack_rows(targets))
+
+    def refit_targets(self, stream: Stream, ctx: ForwardContext, final: bool, held: dict[int, int] | None = None
+                      ) -> dict:
+        """What the kept values are refit to (kernels/refit.py), from the probes of `ctx`, when the policy asks for it
+        (`Policy.refit`: at the read's last eviction, or at every one):
+        per scored layer, the probes' attention over the `held` first columns (default: all), their head outputs,
+        and the part of those outputs from the columns beyond (the probes' own appended tokens, about to be
+        forgotten). Empty when the probes saw only some entries, or the cache's values are not what heads attend
+        over (MLA's latent)."""
+        wanted = self.policy.refit == "always" or (final and self.policy.refit == "final")
+        if not wanted or self.adapter.scoring_view(stream.cache) is not stream.cache:
+            return {}
+        out = {}
+        for i, layer in self._scored_layers(stream).items():
+            probe = ctx.probes.get(i)
+            if probe is None or probe.columns is not None:
+                return {}
+            c = layer.capacity if held is None else held[i]
+            weights = probe.weights[..., :c].float()
+            values = layer.values[:, :c].float().repeat_interleave(weights.shape[0] // layer.values.shape[0], dim=0)
+            output = probe.output.float()
+            out[i] = (weights, output, output - weights @ values if c < layer.capacity else None)
+        return out
 
     def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None,
-                   keep: range = range(0)) -> None:
+                   keep: range = range(0), targets: dict | None = None) -> None:
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
@@ -324,6 +350,12 @@ class Engine:
                 masks = {i: select_keep(layer, scores[i], budgets[i] if budgets else budget, protect[i])
                          for i, layer in scored.items()}
             for i, mask in masks.items():
+                if targets and i in targets:
+                    weights, outputs, appended = targets[i]
+                    c = weights.shape[-1]
+                    columns, present = mask_columns(mask[:, :c])
+                    scored[i].values[:, :c] = refit_values(weights, outputs, scored[i].values[:, :c], columns, present,
+                                                           appended, self.policy.refit_ridge)
                 scored[i].keep(mask)
         self.trim_windows(stream)  # last: the Fisher re-run needs the probes as every layer's last columns
         if self.mode == "compact":
@@ -414,3 +446,17 @@ class Engine:
                 recent = self.recent_window(slack)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
                 self.evict(stream, ctx, probe_logits, recent, budget=limit, keep=prompt)
+
+
+def _stack_rows(targets: list[dict]) -> dict:
+    """Refit targets of several probe sets as one (`Engine.refit_targets`): their rows side by side; empty if any
+    set has none."""
+    if not targets or not all(targets):
+        return {}
+    if len(targets) == 1:
+        return targets[0]
+
+    def part(t: tuple, k: int) -> torch.Tensor:
+        return t[k] if t[k] is not None else torch.zeros_like(t[1])
+
+    return {i: tuple(torch.cat([part(t[i], k) for t in targets], dim=1) for k in range(3)) for i in targets[0]}

@@ -52,6 +52,10 @@ class Policy:
     # only the attention sinks and the span it copies ("span": cheaper, and judges the span's entries on their own)
     reconstruction_span: int = 128
     reconstruction_sees: str = "all"
+    # Refit the kept values to the probes' full-cache head outputs (kernels/refit.py): "never", at the read's
+    # "final" eviction, or at "always" every eviction; `refit_ridge` is the ridge's strength
+    refit: str = "never"
+    refit_ridge: float = 0.1
     observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:

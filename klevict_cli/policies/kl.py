@@ -31,7 +31,7 @@ from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.cache import mask_columns
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 
-RECONSTRUCTION_PIVOT, RECONSTRUCTION_POWER = 0.2, 4  # see KL.weight_of_reconstruction
+RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
 
 
 class KL(Policy):
@@ -43,7 +43,8 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
-                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.0):
+                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.0,
+                 refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -53,9 +54,12 @@ class KL(Policy):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         self.lookahead = lookahead
-        self.reconstruction_weight = reconstruction_weight
+        self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         self.question_share = question_share  # of the budget, kept for the re-reading's most needed entries
+        if refit not in ("never", "final", "always"):
+            raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
+        self.refit, self.refit_ridge = refit, refit_ridge
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
 
     def reset(self) -> None:
@@ -83,8 +87,9 @@ class KL(Policy):
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
                 "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight),
+                "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
-                "question_share": str(self.question_share)}
+                "question_share": str(self.question_share), "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -126,13 +131,13 @@ class KL(Policy):
 
     def weight_of_reconstruction(self, kept_fraction: float | None) -> float:
         """How much the re-reading's KL counts against the look-ahead's: `reconstruction_weight` at 20 % kept,
-        scaled by (kept fraction / 20 %)^4. A generous budget can keep what questions need as well as what the next
-        text needs — beyond the look-ahead's few probes, its scores are noise-level and the re-reading decides —
-        while a tight one must spend itself on the next text: on a Moby Dick tuning window (seed 2), weight 0.01
-        made the continuation's KL 0.12× at 50 %, 0.68× at 20 %, but 1.4× at 10 % and 2× at 5 %
-        (docs/research-log.md)."""
+        scaled by (kept fraction / 20 %) to the power `reconstruction_power`. A generous budget can keep what
+        questions need as well as what the next text needs — beyond the look-ahead's few probes, its scores are
+        noise-level and the re-reading decides — while a tight one must spend itself on the next text: on a Moby
+        Dick tuning window (seed 2), weight 0.01 made the continuation's KL 0.12× at 50 %, 0.68× at 20 %, but 1.4×
+        at 10 % and 2× at 5 % (docs/research-log.md)."""
         fraction = 1.0 if kept_fraction is None else kept_fraction
-        return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** RECONSTRUCTION_POWER
+        return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** self.reconstruction_power
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         """Add the re-reading's direct-path KL to each judged entry's stored score. Uncalibrated: the calibration

@@ -1,0 +1,53 @@
+"""Refitting the kept values after an eviction, so that the probes' head outputs stay what the full cache gave.
+
+Evicting entries from a head's softmax moves every probe's output o_t towards the kept values. Scoring chooses the
+entries whose removal moves it least, but at tight budgets most of the mass is removed and the moves add up. The kept
+keys decide where queries look; the kept values can be changed freely. So after the choice, the values V_S of the
+kept set S are refit, by ridge least squares towards the probes' full-cache outputs:
+
+    o'_t = (Σ_{j∈S} a_tj v'_j + d_t) / Z_t,   Z_t = Σ_{j∈S} a_tj + m_t
+    minimise Σ_t ‖o'_t Z_t − o_t Z_t‖² + λ‖V'_S − V_S‖²
+
+where a_tj is probe t's attention to held entry j, d_t and m_t the output and mass of entries outside the held ones
+that stay (the probes' own appended tokens). The probes of a KV head's query heads are its rows. With R rows and
+|S| unknowns per head, R ≪ |S| at generous budgets, so the solution is computed in row space:
+    V'_S = V_S + A_Sᵀ (A_S A_Sᵀ + λI)⁻¹ (O − A_S V_S),   O_t = o_t Z_t − d_t
+(one R × R solve per KV head, whatever the budget). Entries no probe attends to are left as they are; λ is `ridge`
+times the mean diagonal of A_S A_Sᵀ, so it does not depend on the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def refit_values(weights: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor, columns: torch.Tensor,
+                 present: torch.Tensor, appended: torch.Tensor | None = None, ridge: float = 0.1) -> torch.Tensor:
+    """Kept values refit to the probes' outputs.
+
+    weights (Hq, W, C): the probes' attention over the C held entries (normalised over everything they saw, which
+    may include `appended` entries beyond the C); outputs (Hq, W, Dv): their head outputs; values (H_kv, C, Dv);
+    keep (H_kv, C) bool: the entries that stay; appended (Hq, W, Dv): the part of `outputs` from the appended
+    entries, Σ a v over them (None: nothing appended); columns (H_kv, n): each head's kept columns, left-aligned and
+    padded, true in `present` (H_kv, n) where real (klevict_cli.cache.mask_columns of the keep mask). Returns
+    (H_kv, C, Dv) values, changed only in the kept columns."""
+    hq, w, c = weights.shape
+    kv = values.shape[0]
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    a = weights.to(dtype).reshape(kv, hq // kv * w, c)  # each KV head's rows: its query heads' probes
+    o = outputs.to(dtype).reshape(kv, hq // kv * w, -1)
+    outside = 0.0 if appended is None else appended.to(dtype).reshape(kv, hq // kv * w, -1)
+    # The kept columns only (padding gets weight 0, so no correction, and is written back as it was).
+    a_kept = a.gather(2, columns[:, None, :].expand(-1, a.shape[1], -1)) * present[:, None, :].to(dtype)
+    v_kept = values.to(dtype).gather(1, columns[..., None].expand(-1, -1, values.shape[-1]))
+    z = a_kept.sum(dim=-1, keepdim=True) + (1.0 - a.sum(dim=-1, keepdim=True))  # appended mass stays
+    residual = o * z - outside - a_kept @ v_kept  # (H_kv, R, Dv): what the kept values must add
+    gram = a_kept @ a_kept.transpose(1, 2)  # (H_kv, R, R)
+    scale = gram.diagonal(dim1=1, dim2=2).mean(dim=-1).clamp_min(torch.finfo(dtype).tiny)
+    eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
+    delta = a_kept.transpose(1, 2) @ torch.linalg.solve(gram + ridge * scale[:, None, None] * eye, residual)
+    refit = values.clone()
+    refit.scatter_(1, columns[..., None].expand(-1, -1, values.shape[-1]),
+                   (v_kept + delta).to(values.dtype).where(present[..., None], refit.gather(
+                       1, columns[..., None].expand(-1, -1, values.shape[-1]))))
+    return refit

@@ -1,0 +1,94 @@
+"""Refitting kept values (kernels/refit.py): exact where it can be, a no-op when nothing is evicted, and in the
+engine only where the policy asks for it."""
+
+from __future__ import annotations
+
+import torch
+
+from klevict_cli.adapters import adapter_for
+from klevict_cli.cache import mask_columns
+from klevict_cli.engine import Engine
+from klevict_cli.policies.kl import KL
+from klevict_kernels.refit import refit_values
+from tests.conftest import tiny_llama
+
+
+def _probes(hq=4, kv=2, w=3, c=20, dv=5, appended=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(hq, w, c + appended, generator=g, dtype=torch.float64)
+    weights = logits.softmax(dim=-1)
+    values = torch.randn(kv, c + appended, dv, generator=g, dtype=torch.float64)
+    per_query = values.repeat_interleave(hq // kv, dim=0)
+    outputs = weights @ per_query
+    tail = weights[..., c:] @ per_query[:, c:]
+    return weights[..., :c], outputs, values[:, :c], tail
+
+
+def _refit(weights, outputs, values, keep, tail, ridge=0.1):
+    return refit_values(weights, outputs, values, *mask_columns(keep), tail, ridge)
+
+
+def _outputs_after(weights, values, keep, tail):
+    """The probes' head outputs once only `keep` of the held entries remain (the appended ones stay)."""
+    hq, kv = weights.shape[0], values.shape[0]
+    kept = weights * keep.repeat_interleave(hq // kv, dim=0)[:, None, :]
+    mass = kept.sum(-1, keepdim=True) + (1 - weights.sum(-1, keepdim=True))
+    return (kept @ values.repeat_interleave(hq // kv, dim=0) + tail) / mass
+
+
+def test_keeping_everything_leaves_the_values_as_they_are():
+    weights, outputs, values, tail = _probes()
+    keep = torch.ones(values.shape[:2], dtype=torch.bool)
+    assert torch.allclose(_refit(weights, outputs, values, keep, tail), values, atol=1e-12)
+
+
+def test_with_enough_kept_entries_the_probes_outputs_are_restored_exactly():
+    weights, outputs, values, tail = _probes()
+    keep = torch.zeros(values.shape[:2], dtype=torch.bool)
+    keep[:, ::2] = True  # 10 kept per head, 2 query heads x 3 probes = 6 rows: an exact fit exists
+    plain = _outputs_after(weights, values, keep, tail)
+    refit = _refit(weights, outputs, values, keep, tail, ridge=1e-10)
+    assert (plain - outputs).abs().max() > 1e-2  # evicting moved the outputs ...
+    assert torch.allclose(_outputs_after(weights, refit, keep, tail), outputs, atol=1e-6)  # ... the refit restores
+    assert torch.equal(refit[~keep], values[~keep])  # evicted entries are untouched (they are dropped anyway)
+
+
+def test_the_ridge_trades_the_fit_for_staying_near_the_original_values():
+    weights, outputs, values, tail = _probes(w=8, c=12)  # 16 rows, 4 kept: no exact fit
+    keep = torch.zeros(values.shape[:2], dtype=torch.bool)
+    keep[:, :4] = True
+    errors, moves = [], []
+    for ridge in (1e-6, 0.1, 10.0, 1e6):
+        refit = _refit(weights, outputs, values, keep, tail, ridge=ridge)
+        errors.append(float((_outputs_after(weights, refit, keep, tail) - outputs).square().sum()))
+        moves.append(float((refit - values).square().sum()))
+    assert errors == sorted(errors) and moves == sorted(moves, reverse=True)
+    assert errors[0] < 0.5 * float((_outputs_after(weights, values, keep, tail) - outputs).square().sum())
+    assert moves[-1] < 1e-8
+
+
+def _read(refit: str, ids: list[int]):
+    model = tiny_llama(seed=3)
+    engine = Engine(model, adapter_for(model), KL(lookahead=8, refit=refit), budget=12, chunk_size=16,
+                    probe_window=4)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    return stream, engine
+
+
+def test_the_engine_refits_only_the_kept_values_of_the_last_eviction():
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (64,)).tolist()
+    plain, _ = _read("never", ids)
+    refit, engine = _read("final", ids)
+    full = engine.new_stream()
+    engine.budget = None
+    engine.feed(full, ids)
+    first, read = plain.cache.layers[0], full.cache.layers[0]  # layer 0's values depend on the tokens alone
+    for h in range(first.keys.shape[0]):
+        assert torch.equal(first.values[h][first.valid[h]], read.values[h][first.positions[h][first.valid[h]]])
+    changed = 0
+    for p, r in zip(plain.cache.layers, refit.cache.layers):
+        assert torch.equal(p.positions, r.positions) and torch.equal(p.keys, r.keys)  # the same choice
+        changed += int((p.values - r.values)[p.valid].abs().amax(-1).gt(1e-6).sum())
+    assert changed > 0
