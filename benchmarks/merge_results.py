@@ -25,6 +25,13 @@ TASKS = ("fidelity", "needle", "recall")
 TIMINGS = ("seconds", "time_ratio", "peak_device_bytes")
 
 
+def _setting(result: dict, key: str):
+    """A setting as it decides what was measured: a document by its text (sha256, tokens), not the path it was
+    read from."""
+    value = result["settings"].get(key)
+    return {k: v for k, v in value.items() if k != "name"} if key == "document" and isinstance(value, dict) else value
+
+
 def measured(per_budget: dict, windows: int) -> dict:
     """A method's per-window numbers over the first `windows` windows, timings aside (they vary run to run)."""
     return {b: {k: v[:windows] for k, v in row["per_window"].items() if k not in TIMINGS}
@@ -47,7 +54,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
     out["settings"]["merged_from"] = {names[0]: sorted(first["settings"]["methods"])}
     for name, other in zip(names[1:], results[1:]):
         for key in SAME:
-            if other["settings"].get(key) != first["settings"].get(key):
+            if _setting(other, key) != _setting(first, key):
                 raise SystemExit(f"{name}: setting {key} differs ({other['settings'].get(key)!r} vs "
                                  f"{first['settings'].get(key)!r}); these runs did not measure the same windows")
         for task in TASKS:

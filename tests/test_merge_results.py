@@ -55,3 +55,13 @@ def test_other_windows_or_other_numbers_are_refused():
     other["settings"]["seed"] = 1
     with pytest.raises(SystemExit, match="seed differs"):
         merge_results.merge([run({"a": [1, 2, 3]}, 2), other], ["x", "y"])
+
+
+def test_a_document_read_from_another_path_is_the_same_document_another_text_is_not():
+    peers, mine = run({"snapkv": [0.3, 0.5, 0.7]}, 3), run({"kl": [0.1, 0.2, 0.9]}, 3)
+    peers["settings"]["document"] = {"name": "../data/moby.txt", "sha256": "d", "tokens": 9}
+    mine["settings"]["document"] = {"name": "/work/data/moby.txt", "sha256": "d", "tokens": 9}
+    assert merge_results.merge([peers, mine], ["p", "m"])["fidelity"]["windows_done"] == 3
+    mine["settings"]["document"]["sha256"] = "e"
+    with pytest.raises(SystemExit, match="document differs"):
+        merge_results.merge([peers, mine], ["p", "m"])
