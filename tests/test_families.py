@@ -164,12 +164,34 @@ def test_eviction_equals_masking_the_evicted_entries(family, method):
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (80,)).tolist()
     budget = 20
-    engine = Engine(model, adapter, make_policy(method), budget=budget, chunk_size=16, probe_window=8)
+    policy = KL(refit="never") if method == "kl" else make_policy(method)  # the refit changes values: below
+    engine = Engine(model, adapter, policy, budget=budget, chunk_size=16, probe_window=8)
     got, expected, stream = eviction_vs_masking(model, engine, ids, chunk_size=16)
     assert (got - expected).abs().max().item() <= 1e-4
     scored = [stream.cache.layers[i] for i in scored_layers(adapter)]
     heads = sum(layer.keys.shape[0] for layer in scored)
     assert sum(int(layer.valid.sum()) for layer in scored) <= (budget + 1) * heads  # + the last token
+
+
+def test_refitting_the_kept_values_changes_values_only(family):
+    """kl's refit (kernels/refit.py) keeps the same entries, keys and positions as no refit; only the kept values of
+    scored layers may differ (none where the cache holds MLA's latent rather than the values heads attend over)."""
+    _, model, adapter = family
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    caches = {}
+    for refit in ("never", "final"):
+        engine = Engine(model, adapter, KL(refit=refit), budget=20, chunk_size=16, probe_window=8)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        caches[refit] = stream.cache
+    moved = []
+    for i, (plain, refit) in enumerate(zip(caches["never"].layers, caches["final"].layers)):
+        for name in ("keys", "positions", "rope_positions", "valid"):
+            assert torch.equal(getattr(plain, name), getattr(refit, name))
+        if not torch.equal(plain.values, refit.values):
+            moved.append(i)
+    assert set(moved) <= set(scored_layers(adapter))
+    assert bool(moved) == (adapter.scoring_view(caches["final"]) is caches["final"])
 
 
 def test_sliding_layers_keep_their_window_and_the_budget_counts_global_layers():
