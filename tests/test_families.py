@@ -225,8 +225,8 @@ def test_a_model_whose_every_layer_slides_still_keeps_to_the_budget(window):
     adapter = adapter_for(model)
     assert {s.window for s in adapter.layer_shapes()} == {window}
     ids = torch.randint(0, VOCAB, (80,)).tolist()
-    engine = Engine(model, adapter, make_policy("kl"), budget=12, chunk_size=16, probe_window=4)
-    got, expected, stream = eviction_vs_masking(model, engine, ids, chunk_size=16)
+    engine = Engine(model, adapter, KL(refit="never"), budget=12, chunk_size=16, probe_window=4)  # masking: values
+    got, expected, stream = eviction_vs_masking(model, engine, ids, chunk_size=16)  # as read
     assert (got - expected).abs().max().item() <= 1e-4
     heads = sum(layer.keys.shape[0] for layer in stream.cache.layers)
     assert sum(int(layer.valid.sum()) for layer in stream.cache.layers) <= (12 + 1) * heads  # + the last token
