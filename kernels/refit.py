@@ -27,27 +27,24 @@ def refit_values(weights: torch.Tensor, outputs: torch.Tensor, values: torch.Ten
 
     weights (Hq, W, C): the probes' attention over the C held entries (normalised over everything they saw, which
     may include `appended` entries beyond the C); outputs (Hq, W, Dv): their head outputs; values (H_kv, C, Dv);
-    keep (H_kv, C) bool: the entries that stay; appended (Hq, W, Dv): the part of `outputs` from the appended
-    entries, Σ a v over them (None: nothing appended); columns (H_kv, n): each head's kept columns, left-aligned and
-    padded, true in `present` (H_kv, n) where real (klevict_cli.cache.mask_columns of the keep mask). Returns
-    (H_kv, C, Dv) values, changed only in the kept columns."""
+    columns (H_kv, n): each head's kept columns, left-aligned and padded, real where `present` (H_kv, n) is true
+    (klevict_cli.cache.mask_columns of the keep mask); appended (Hq, W, Dv): the part of `outputs` from the appended
+    entries, Σ a v over them (None: nothing appended). Returns (H_kv, C, Dv) values, changed only in the kept
+    columns."""
     hq, w, c = weights.shape
     kv = values.shape[0]
     dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
     a = weights.to(dtype).reshape(kv, hq // kv * w, c)  # each KV head's rows: its query heads' probes
     o = outputs.to(dtype).reshape(kv, hq // kv * w, -1)
     outside = 0.0 if appended is None else appended.to(dtype).reshape(kv, hq // kv * w, -1)
-    # The kept columns only (padding gets weight 0, so no correction, and is written back as it was).
+    index = columns[..., None].expand(-1, -1, values.shape[-1])
     a_kept = a.gather(2, columns[:, None, :].expand(-1, a.shape[1], -1)) * present[:, None, :].to(dtype)
-    v_kept = values.to(dtype).gather(1, columns[..., None].expand(-1, -1, values.shape[-1]))
+    v_kept = values.to(dtype).gather(1, index)
     z = a_kept.sum(dim=-1, keepdim=True) + (1.0 - a.sum(dim=-1, keepdim=True))  # appended mass stays
     residual = o * z - outside - a_kept @ v_kept  # (H_kv, R, Dv): what the kept values must add
     gram = a_kept @ a_kept.transpose(1, 2)  # (H_kv, R, R)
     scale = gram.diagonal(dim1=1, dim2=2).mean(dim=-1).clamp_min(torch.finfo(dtype).tiny)
     eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
     delta = a_kept.transpose(1, 2) @ torch.linalg.solve(gram + ridge * scale[:, None, None] * eye, residual)
-    refit = values.clone()
-    refit.scatter_(1, columns[..., None].expand(-1, -1, values.shape[-1]),
-                   (v_kept + delta).to(values.dtype).where(present[..., None], refit.gather(
-                       1, columns[..., None].expand(-1, -1, values.shape[-1]))))
-    return refit
+    # Padding columns (not `present`) are written back as they were.
+    return values.scatter(1, index, torch.where(present[..., None], v_kept + delta, v_kept).to(values.dtype))
