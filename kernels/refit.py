@@ -45,6 +45,9 @@ def refit_values(weights: torch.Tensor, outputs: torch.Tensor, values: torch.Ten
     gram = a_kept @ a_kept.transpose(1, 2)  # (H_kv, R, R)
     scale = gram.diagonal(dim1=1, dim2=2).mean(dim=-1).clamp_min(torch.finfo(dtype).tiny)
     eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
-    delta = a_kept.transpose(1, 2) @ torch.linalg.solve(gram + ridge * scale[:, None, None] * eye, residual)
+    # Symmetric positive definite: a Cholesky solve (MKL's batched LU solve failed after some earlier work in a
+    # process on the 2-core CI machine, "Parameter 6 was incorrect on entry to SLASWP").
+    factor = torch.linalg.cholesky(gram + ridge * scale[:, None, None] * eye)
+    delta = a_kept.transpose(1, 2) @ torch.cholesky_solve(residual, factor)
     # Padding columns (not `present`) are written back as they were.
     return values.scatter(1, index, torch.where(present[..., None], v_kept + delta, v_kept).to(values.dtype))
