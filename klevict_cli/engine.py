@@ -328,10 +328,13 @@ class Engine:
             if probe is None or probe.columns is not None:
                 return {}
             c = layer.capacity if held is None else held[i]
-            weights = probe.weights[..., :c].float()
-            values = layer.values[:, :c].float().repeat_interleave(weights.shape[0] // layer.values.shape[0], dim=0)
-            output = probe.output.float()
-            out[i] = (weights, output, output - weights @ values if c < layer.capacity else None)
+            weights, output = probe.weights[..., :c].float(), probe.output.float()
+            appended = None
+            if c < layer.capacity:  # each KV head's query heads as rows: its values are read once, not copied
+                kv, (hq, w, _) = layer.values.shape[0], weights.shape
+                held_part = weights.reshape(kv, hq // kv * w, c) @ layer.values[:, :c].float()
+                appended = output - held_part.view(hq, w, -1)
+            out[i] = (weights, output, appended)
         return out
 
     def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None,
@@ -450,13 +453,9 @@ class Engine:
 
 def _stack_rows(targets: list[dict]) -> dict:
     """Refit targets of several probe sets as one (`Engine.refit_targets`): their rows side by side; empty if any
-    set has none."""
+    set has none. Sets appended to the stream always carry their appended part."""
     if not targets or not all(targets):
         return {}
     if len(targets) == 1:
         return targets[0]
-
-    def part(t: tuple, k: int) -> torch.Tensor:
-        return t[k] if t[k] is not None else torch.zeros_like(t[1])
-
-    return {i: tuple(torch.cat([part(t[i], k) for t in targets], dim=1) for k in range(3)) for i in targets[0]}
+    return {i: tuple(torch.cat([t[i][k] for t in targets], dim=1) for k in range(3)) for i in targets[0]}
