@@ -7,10 +7,11 @@ On a GPU every operator is at least one kernel launch and every host sync stalls
 launches operators per layer, or reads tensor values back (`.item()`, `.tolist()`, a tensor in an `if`, a
 data-dependent shape such as `nonzero`), is slow however little arithmetic it does. Both can be counted on the CPU:
 the count is the same, only the cost differs. This script reads the same tokens with models that differ only in
-their number of layers and counts, inside each eviction (scoring, calibration, look-ahead drafts, selection) and
-each decoded token, the top-level aten operators and the value reads (`aten::_local_scalar_dense`, which every
-`.item()`/`.tolist()`/truth test of a tensor goes through, and `aten::nonzero`). If scoring is batched across
-layers, the operators per eviction stop growing with the layer count.
+their number of layers and counts, inside each eviction and each decoded token, the top-level aten operators and
+the value reads (`aten::_local_scalar_dense`, which every `.item()`/`.tolist()`/truth test of a tensor goes
+through, and `aten::nonzero`). An eviction's model passes (the look-ahead drafts, the re-reading, the calibration's
+backward pass) are counted apart: like any forward they launch operators per layer, and what batching across layers
+can remove is the rest — scoring, calibration, selection and the cache's update.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from klevict_cli.policies import make_policy
 
 SYNCS = ("aten::_local_scalar_dense", "aten::nonzero")
 SCOPES = ("eviction", "decode")
+MODEL_PASS = "model pass"  # a forward (or forward + backward) of the model inside an eviction
 
 
 def tiny_model(layers: int, seed: int = 0) -> LlamaForCausalLM:
@@ -46,6 +48,16 @@ def tiny_model(layers: int, seed: int = 0) -> LlamaForCausalLM:
 def counted(engine_cls):
     """Engine methods wrapped in profiler scopes: the evictions of a read and each decoded token."""
     class Counted(engine_cls):
+        def forward(self, *args, **kwargs):
+            with record_function(MODEL_PASS):
+                return super().forward(*args, **kwargs)
+
+        def eviction_step(self, *args, **kwargs):
+            step = super().eviction_step(*args, **kwargs)
+            step.backward = _as_model_pass(step.backward)
+            step.output_gradient_norms = _as_model_pass(step.output_gradient_norms)
+            return step
+
         def evict(self, *args, **kwargs):
             with record_function("eviction"):
                 return super().evict(*args, **kwargs)
@@ -61,28 +73,40 @@ def counted(engine_cls):
     return Counted
 
 
-def count(prof, scope: str) -> tuple[Counter, int, int]:
-    """Inside `scope`: the top-level aten operators (not those another operator calls), the value reads (at any
-    depth: `.item()` reaches `_local_scalar_dense` through `aten::item`), and how many scopes ran."""
+def _as_model_pass(fn):
+    def wrapped(*args, **kwargs):
+        with record_function(MODEL_PASS):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def count(prof, scope: str, apart: bool = True) -> tuple[Counter, int, int, int]:
+    """Inside `scope` (but outside its model passes, if `apart`): the top-level aten operators (not those another
+    operator calls) and the value reads (at any depth: `.item()` reaches `_local_scalar_dense` through
+    `aten::item`); the top-level operators of its model passes; and how many scopes ran."""
     ops: Counter = Counter()
-    syncs = scopes = 0
+    syncs = scopes = passes = 0
     for event in prof.events():
         if event.name == scope and _outer_scope(event) is None:
             scopes += 1
         if not event.name.startswith("aten::"):
             continue
-        parent, inside, top = event.cpu_parent, False, True
+        parent, inside, top, in_pass = event.cpu_parent, False, True, False
         while parent is not None:
             if parent.name.startswith("aten::"):
                 top = False
+            in_pass |= parent.name == MODEL_PASS
             if parent.name == scope:
                 inside = True
                 break
             parent = parent.cpu_parent
-        if inside:
+        if inside and in_pass and apart:
+            passes += top
+        elif inside:
             ops[event.name] += top
             syncs += event.name in SYNCS
-    return ops, syncs, scopes
+    return ops, syncs, passes, scopes
 
 
 def _outer_scope(event):
@@ -106,13 +130,14 @@ def measure(layers: int, method: str, tokens: int, budget: int, chunk: int, deco
         with record_function("decode"):
             for _ in range(decode):
                 engine.forward(stream, [1])
-    evict_ops, evict_syncs, evictions = count(prof, "eviction")
-    decode_ops, decode_syncs, _ = count(prof, "decode")
+    evict_ops, evict_syncs, pass_ops, evictions = count(prof, "eviction")
+    decode_ops, decode_syncs, _, _ = count(prof, "decode", apart=False)
     per = max(evictions, 1)
     return {
         "layers": layers, "evictions": evictions,
         "ops_per_eviction": sum(evict_ops.values()) / per,
         "syncs_per_eviction": evict_syncs / per,
+        "model_pass_ops_per_eviction": pass_ops / per,
         "ops_per_token": sum(decode_ops.values()) / max(decode, 1),
         "syncs_per_token": decode_syncs / max(decode, 1),
         "top_ops_per_eviction": {k: v / per for k, v in evict_ops.most_common(8)},
@@ -134,12 +159,12 @@ def main() -> None:
             for n in args.layers.split(",")]
     print(f"\n{args.method}, {args.tokens} tokens, budget {args.budget}, chunks of {args.chunk_size}; CPU, "
           f"torch {torch.__version__}")
-    print("\n| layers | evictions | operators per eviction | value reads per eviction | operators per decoded token "
-          "| value reads per token |")
-    print("|---|---|---|---|---|---|")
+    print("\n| layers | evictions | operators per eviction | value reads per eviction | its model passes' operators "
+          "| operators per decoded token | value reads per token |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['evictions']} | {r['ops_per_eviction']:.0f} | {r['syncs_per_eviction']:.0f} | "
-              f"{r['ops_per_token']:.0f} | {r['syncs_per_token']:.0f} |")
+              f"{r['model_pass_ops_per_eviction']:.0f} | {r['ops_per_token']:.0f} | {r['syncs_per_token']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"method": args.method, "tokens": args.tokens, "budget": args.budget,
                                                "chunk_size": args.chunk_size, "rows": rows}, indent=1) + "\n")

@@ -83,10 +83,15 @@ def direct_readout(
 
 
 def to_head_space(factors: torch.Tensor, o_proj_weight: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """Map residual-space factors (W, R, d) through a layer's output projection W_O (d, Hq·Dv): (W, R, Hq, Dv)."""
+    """Map residual-space factors (W, R, d) through a layer's output projection W_O (d, Hq·Dv): (W, R, Hq, Dv).
+    With the W_O of L layers stacked (L, d, Hq·Dv), one product for all of them: (W, R, L·Hq, Dv), the layers as
+    extra heads."""
     w, r, _ = factors.shape
     e = factors.reshape(w * r, -1) @ o_proj_weight.to(factors.dtype)
-    return e.view(w, r, query_heads, -1)
+    if o_proj_weight.dim() == 2:
+        return e.view(w, r, query_heads, -1)
+    layers = o_proj_weight.shape[0]
+    return e.view(layers, w, r, query_heads, -1).permute(1, 2, 0, 3, 4).reshape(w, r, layers * query_heads, -1)
 
 
 def through_norm(norm: torch.nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,12 @@ def refit_values(weights: torch.Tensor, outputs: torch.Tensor, values: torch.Ten
     eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
     # Symmetric positive definite: a Cholesky solve (MKL's batched LU solve failed after some earlier work in a
     # process on the 2-core CI machine, "Parameter 6 was incorrect on entry to SLASWP").
-    factor = torch.linalg.cholesky(gram + ridge * scale[:, None, None] * eye)
-    delta = a_kept.transpose(1, 2) @ torch.cholesky_solve(residual, factor)
-    # Padding columns (not `present`) are written back as they were.
-    return values.scatter(1, index, torch.where(present[..., None], v_kept + delta, v_kept).to(values.dtype))
+    # Factor and two triangular solves, none of which checks for errors (a check reads a value back from the device;
+    # the ridge keeps the system definite).
+    factor = torch.linalg.cholesky_ex(gram + ridge * scale[:, None, None] * eye).L
+    half = torch.linalg.solve_triangular(factor, residual, upper=False)
+    delta = a_kept.transpose(1, 2) @ torch.linalg.solve_triangular(factor.transpose(1, 2), half, upper=True)
+    # Added, not written: padding repeats column 0, which may also be kept (a write would race with its own); the
+    # padding adds nothing.
+    delta = delta.masked_fill(~present[..., None], 0.0)
+    return values.to(dtype).scatter_add(1, index, delta).to(values.dtype)

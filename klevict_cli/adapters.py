@@ -76,6 +76,7 @@ class ModelAdapter:
         self.base = self._base(model)
         self.layers = list(self._layers(self.base))
         self.attentions = [self._attention(layer) for layer in self.layers]
+        self._stacked_projections: dict[tuple[int, ...], torch.Tensor] = {}
 
     # ---- where things are ---------------------------------------------------------------------------------
     def _base(self, model: nn.Module) -> nn.Module:
@@ -171,6 +172,14 @@ class ModelAdapter:
     def output_projection(self, layer_idx: int) -> nn.Linear | Projection:
         """The module (or `Projection`) whose `.weight` is W_O as a (d_model, Hq·Dv) matrix."""
         return self.attentions[layer_idx].o_proj
+
+    def output_projections(self, layer_ids: list[int]) -> torch.Tensor:
+        """These layers' W_O stacked, (L, d_model, Hq·Dv) in float32, built once per set of layers: the KL scoring
+        maps its readout through every layer in one product."""
+        key = tuple(layer_ids)
+        if key not in self._stacked_projections:
+            self._stacked_projections[key] = torch.stack([self.output_projection(i).weight.float() for i in key])
+        return self._stacked_projections[key]
 
     def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Per token, d(final logit)/d(raw logit) at `logits` (the final logits, after any soft-capping); None when

@@ -9,6 +9,9 @@ function (attention.py) reads `valid` and the positions to build the mask itself
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
 import torch
 
 from klevict_cli.adapters import LayerShape
@@ -96,13 +99,16 @@ class LayerCache:
             self.extras[name] = torch.zeros(self.valid.shape, dtype=dtype, device=self.valid.device)
         return self.extras[name]
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Keep only the entries where `mask` (H, C) is true, re-packed to the left in their original order."""
+    def keep(self, mask: torch.Tensor, order: torch.Tensor | None = None, new_cap: int | None = None) -> None:
+        """Keep only the entries where `mask` (H, C) is true, re-packed to the left in their original order.
+        `order` and `new_cap` (`keep_orders`, computed for every layer at once) save the sort and the host sync."""
         mask = mask & self.valid
         counts = mask.sum(dim=1)
-        new_cap = int(counts.max()) if counts.numel() else 0
-        # Stable sort puts kept entries first, in order; the first new_cap columns are the new layout.
-        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :new_cap]
+        if new_cap is None:
+            new_cap = int(counts.max()) if counts.numel() else 0
+        if order is None:  # stable sort puts kept entries first, in order; the first new_cap columns are the layout
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+        order = order[:, :new_cap]
         valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
         packed = {}
         for name in _FIELDS[:-1]:  # gather everything from the old layout before replacing any field
@@ -140,6 +146,70 @@ def mask_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :n]
     present = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
     return order.masked_fill(~present, 0), present
+
+
+def pad_stack(tensors: list[torch.Tensor], dim: int = 1, fill: float | bool = 0) -> torch.Tensor:
+    """Per-layer tensors that differ only in their size along `dim` (their cache columns) as one (L, ...) tensor,
+    padded with `fill`: so that what is done to every layer is one batched operation instead of one per layer."""
+    shape = list(tensors[0].shape)
+    shape[dim] = max(t.shape[dim] for t in tensors)
+    out = tensors[0].new_full((len(tensors), *shape), fill)
+    for n, t in enumerate(tensors):
+        out[n].narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class Stacked(Mapping):
+    """Per-layer (H, C_l) tensors held as one (L, H, C) tensor padded beyond each layer's `widths` (e.g. scores of
+    every scored layer): read per layer like a dict, or all at once through `.tensor`."""
+
+    def __init__(self, tensor: torch.Tensor, layer_ids: list[int], widths: list[int]):
+        self.tensor, self.layer_ids, self.widths = tensor, list(layer_ids), list(widths)
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        n = self.layer_ids.index(layer_idx)
+        return self.tensor[n, :, : self.widths[n]]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layer_ids)
+
+    def __len__(self) -> int:
+        return len(self.layer_ids)
+
+
+@dataclass
+class LayerStack:
+    """Some layers' `valid` and `positions` stacked (L, H, C) and padded (invalid, position -1) to the widest."""
+
+    layer_ids: list[int]
+    widths: list[int]  # each layer's capacity
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, layers: Mapping[int, LayerCache]) -> LayerStack:
+        ids = list(layers)
+        return cls(ids, [layers[i].capacity for i in ids], pad_stack([layers[i].valid for i in ids], fill=False),
+                   pad_stack([layers[i].positions for i in ids], fill=-1))
+
+    def stack(self, per_layer: Mapping[int, torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+        """(L, H, C) float from per-layer (H, ≥ C_l) tensors (their first C_l columns), without a copy when they are
+        already `Stacked` over these layers."""
+        width = self.valid.shape[-1]
+        if isinstance(per_layer, Stacked) and per_layer.layer_ids == self.layer_ids \
+                and per_layer.tensor.shape[-1] >= width:
+            return per_layer.tensor[..., :width].float()
+        return pad_stack([per_layer[i][:, :w].float() for i, w in zip(self.layer_ids, self.widths)], fill=fill)
+
+    def split(self, stacked: torch.Tensor) -> Stacked:
+        return Stacked(stacked, self.layer_ids, self.widths)
+
+
+def keep_orders(masks: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """For (L, H, C) keep masks: each head's kept columns first, in order (`LayerCache.keep`'s layout), and each
+    layer's new capacity — one sort and one host sync for every layer."""
+    order = torch.argsort((~masks).to(torch.int8), dim=-1, stable=True)
+    return order, masks.sum(dim=-1).amax(dim=-1).tolist()
 
 
 class KVCache:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, forward_context
-from klevict_cli.cache import KVCache, mask_columns
+from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
@@ -227,7 +227,7 @@ class Engine:
         """Entries held per KV head, on average over the scored layers (`_scored_layers`)."""
         layers = self._scored_layers(stream).values()
         heads = sum(layer.keys.shape[0] for layer in layers)
-        return sum(int(layer.valid.sum()) for layer in layers) / max(heads, 1)
+        return int(sum(layer.valid.sum() for layer in layers)) / max(heads, 1)  # one host sync
 
     def _must_evict(self, stream: Stream, incoming: int, upcoming: int) -> bool:
         """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than the budget (the
@@ -295,21 +295,20 @@ class Engine:
         """`evict`, judged by probe sets appended to the stream (drafts, ...) instead of the last tokens read: each
         set is scored and forgotten in turn, and the entries' scores add up over the sets."""
         scored = self._scored_layers(stream)
-        held = {i: layer.capacity for i, layer in scored.items()}
-        total: dict[int, torch.Tensor] = {}
+        held = LayerStack.of(scored)  # before any probe is appended: the entries judged
+        total = None
         targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
                                       appended=probe_set.appended)
-            for i, s in self.policy.score_layers(step, list(scored)).items():
-                s = s[:, : held[i]].float()
-                total[i] = total[i] + s if i in total else s
-            targets.append(self.refit_targets(stream, probe_set.ctx, final, held))
+            scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
+            total = scores if total is None else total + scores
+            targets.append(self.refit_targets(stream, probe_set.ctx, final, dict(zip(held.layer_ids, held.widths))))
             self.forget_drafts(stream, probe_set.appended)
-        if not total:  # no room for probes past the end: judge by the last tokens read instead
+        if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
-        self._keep_best(stream, total, recent, budget, targets=_stack_rows(targets))
+        self._keep_best(stream, held.split(total), recent, budget, targets=_stack_rows(targets), stack=held)
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, final: bool, held: dict[int, int] | None = None
                       ) -> dict:
@@ -337,32 +336,46 @@ class Engine:
             out[i] = (weights, output, appended)
         return out
 
-    def _keep_best(self, stream: Stream, scores: dict[int, torch.Tensor], recent: int, budget: int | None,
-                   keep: range = range(0), targets: dict | None = None) -> None:
+    def _keep_best(self, stream: Stream, scores: Mapping[int, torch.Tensor], recent: int, budget: int | None,
+                   keep: range = range(0), targets: dict | None = None, stack: LayerStack | None = None) -> None:
+        """Keep the best-scoring entries of the scored layers within `budget` (and the `recent` last tokens and the
+        positions in `keep`), refit the kept values to `targets` if any; all layers at once (`stack`: the scored
+        layers' `LayerStack`, if the caller has it)."""
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
             w = min(recent, stream.next_position)
-            protect = {i: (layer.positions >= stream.next_position - w)
-                       | ((layer.positions >= keep.start) & (layer.positions < keep.stop))
-                       for i, layer in scored.items()}
+            stack = LayerStack.of(scored) if stack is None else stack
+            p = stack.positions
+            protect = (p >= stream.next_position - w) | ((p >= keep.start) & (p < keep.stop))
             if self.policy.allocation == "global":
-                masks = select_global(scored, scores, budget, protect, min_per_head=w, max_per_head=self.head_cap)
+                masks = select_global(stack, stack.stack(scores), budget, protect, min_per_head=w,
+                                      max_per_head=self.head_cap)
             else:
                 budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
-                masks = {i: select_keep(layer, scores[i], budgets[i] if budgets else budget, protect[i])
-                         for i, layer in scored.items()}
-            for i, mask in masks.items():
-                if targets and i in targets:
-                    weights, outputs, appended = targets[i]
-                    c = weights.shape[-1]
-                    columns, present = mask_columns(mask[:, :c])
-                    scored[i].values[:, :c] = refit_values(weights, outputs, scored[i].values[:, :c], columns, present,
-                                                           appended, self.policy.refit_ridge)
-                scored[i].keep(mask)
+                masks = pad_stack([select_keep(layer, scores[i], budgets[i] if budgets else budget,
+                                               protect[n, :, : layer.capacity])
+                                   for n, (i, layer) in enumerate(scored.items())], fill=False)
+            if targets:
+                self._refit(scored, masks, targets)
+            order, capacities = keep_orders(masks)
+            for n, layer in enumerate(scored.values()):
+                layer.keep(masks[n, :, : stack.widths[n]], order[n], capacities[n])
         self.trim_windows(stream)  # last: the Fisher re-run needs the probes as every layer's last columns
         if self.mode == "compact":
             self.compact(stream)
+
+    def _refit(self, scored: dict, masks: torch.Tensor, targets: dict) -> None:
+        """Refit each scored layer's kept values (keep masks (L, H, C)) to the probes' outputs (`refit_targets`)."""
+        width = max(weights.shape[-1] for weights, _, _ in targets.values())
+        columns, present = mask_columns(masks[..., :width].flatten(0, 1))  # one host sync for every layer
+        columns, present = columns.view(*masks.shape[:2], -1), present.view(*masks.shape[:2], -1)
+        for n, (i, layer) in enumerate(scored.items()):
+            if i in targets:
+                weights, outputs, appended = targets[i]
+                c = weights.shape[-1]
+                layer.values[:, :c] = refit_values(weights, outputs, layer.values[:, :c], columns[n], present[n],
+                                                   appended, self.policy.refit_ridge)
 
     @torch.inference_mode()
     def reconstruct(self, stream: Stream) -> None:
@@ -382,10 +395,14 @@ class Engine:
         Entries just appended are the last columns of every layer and are cut off (no re-packing, and the spare
         columns stay for the next forward); after an eviction has re-packed them they are masked out."""
         end = stream.next_position - count
-        for layer in stream.cache.layers:
-            tail = layer.capacity - count
-            # a head holds each position at most once, so if the last `count` columns are all drafts, they all are
-            if tail >= 0 and bool((layer.positions[:, tail:] >= end).all()):
+        layers = stream.cache.layers
+        # a head holds each position at most once, so if the last `count` columns are all drafts, they all are
+        # (asked of every layer at once: one host sync)
+        tails = [layer.capacity - count for layer in layers]
+        cut = torch.stack([(layer.positions[:, max(tail, 0) :] >= end).all() & (tail >= 0)
+                           for layer, tail in zip(layers, tails)]).tolist()
+        for layer, tail, at_end in zip(layers, tails, cut):
+            if at_end:
                 layer.truncate(tail)
             else:
                 layer.keep(layer.positions < end)

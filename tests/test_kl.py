@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klevict_kernels.kl import kl_scores, removal_coefficients
+from klevict_kernels.kl import direct_readout, kl_scores, removal_coefficients, to_head_space
 from klevict_cli.adapters import adapter_for
-from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.cache import KVCache, LayerCache, LayerStack, Stacked
 from klevict_cli.engine import Engine
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies import EvictionStep, select_global
@@ -128,20 +128,62 @@ def _layer(valid: torch.Tensor, positions: torch.Tensor) -> LayerCache:
     return LayerCache(torch.zeros(h, c, 2), torch.zeros(h, c, 2), positions, positions.clone(), valid)
 
 
+@pytest.mark.parametrize("group_bytes", [1 << 30, 1])  # every layer in one call; one layer per call
+def test_every_layer_scored_at_once_scores_each_layer_as_scoring_it_alone(monkeypatch, group_bytes):
+    """The batched path (layers stacked as extra heads, padded to the widest ragged cache) against the per-layer
+    kernel calls, for the direct readout and for Fisher gradients, after an eviction has made the layers ragged."""
+    monkeypatch.setattr("klevict_cli.policies.kl.STACKED_WORK_BYTES", {False: group_bytes, True: group_bytes})
+    model = tiny_llama(seed=6)
+    torch.manual_seed(6)
+    ids = torch.randint(0, 300, (136,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(calibrate=False), budget=40, chunk_size=40, probe_window=8)
+    stream = engine.new_stream()
+    engine.feed(stream, ids[:120])
+    assert len({layer.capacity for layer in stream.cache.layers}) > 1  # ragged across layers
+    logits, ctx = engine.forward(stream, ids[120:], probe_rows=16)
+    step = engine.eviction_step(stream, ctx, logits, 16)
+    kl, adapter, layers = engine.policy, engine.adapter, list(range(len(stream.cache.layers)))
+    factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight, kl.top_k,
+                             kl.rank)
+    grads = step.backward(2, True)
+    step.backward = lambda samples, live: grads  # the same samples for both ways
+    stacked = {"direct": kl.direct_scores(step, layers), "fisher": kl.fisher_scores(step, layers)}
+    for path, scores in stacked.items():
+        assert isinstance(scores, Stacked)
+        for i in layers:
+            readout = (to_head_space(factors, adapter.output_projection(i).weight, 4) if path == "direct"
+                       else grads[i] / 2 ** 0.5)
+            alone = kl.entry_scores(step, i, readout, fold_probes=path == "fisher")
+            assert scores[i].shape == alone.shape == stream.cache.layers[i].valid.shape
+            torch.testing.assert_close(scores[i], alone, rtol=1e-5, atol=1e-9)
+
+
 def test_global_allocation_keeps_exactly_the_budget_the_recent_window_and_a_minimum_per_head():
     torch.manual_seed(2)
     c = 30
     positions = torch.arange(c).expand(2, c).clone()
-    layers = {0: _layer(torch.ones(2, c, dtype=torch.bool), positions),
-              1: _layer(torch.ones(2, c, dtype=torch.bool), positions.clone())}
-    scores = {0: torch.rand(2, c) * 100, 1: torch.rand(2, c) * 1e-3}  # layer 1 matters far less
-    protect = {i: layer.positions >= c - 4 for i, layer in layers.items()}
-    masks = select_global(layers, scores, budget=10, protect=protect, min_per_head=6)
-    assert sum(int(m.sum()) for m in masks.values()) == 10 * 4
-    for i, mask in masks.items():
-        assert mask[:, -4:].all()  # the recent window
-        assert (mask.sum(dim=1) >= 6).all()  # no head emptied
+    stack = LayerStack.of({0: _layer(torch.ones(2, c, dtype=torch.bool), positions),
+                           1: _layer(torch.ones(2, c, dtype=torch.bool), positions.clone())})
+    scores = torch.stack([torch.rand(2, c) * 100, torch.rand(2, c) * 1e-3])  # layer 1 matters far less
+    masks = select_global(stack, scores, budget=10, protect=stack.positions >= c - 4, min_per_head=6)
+    assert int(masks.sum()) == 10 * 4
+    assert masks[..., -4:].all()  # the recent window
+    assert (masks.sum(dim=-1) >= 6).all()  # no head emptied
     assert masks[0].sum() > masks[1].sum()  # the budget went where the nats are
+
+
+def test_global_allocation_over_ragged_layers_never_keeps_padding_or_invalid_entries():
+    torch.manual_seed(3)
+    short = torch.ones(2, 8, dtype=torch.bool)
+    short[1, 5:] = False  # a head with 5 valid entries: fewer than the minimum per head
+    stack = LayerStack.of({0: _layer(torch.ones(2, 30, dtype=torch.bool), torch.arange(30).expand(2, 30).clone()),
+                           3: _layer(short, torch.arange(8).expand(2, 8).clone())})
+    assert stack.valid.shape == (2, 2, 30) and not stack.valid[1, :, 8:].any()
+    masks = select_global(stack, torch.rand(2, 2, 30), budget=12, protect=torch.zeros(2, 2, 30, dtype=torch.bool),
+                          min_per_head=6)
+    assert int(masks.sum()) == 12 * 4  # the budget is spent on real entries only
+    assert not (masks & ~stack.valid).any()
+    assert masks[1, 1].sum() == 5 and masks[1, 0].sum() >= 6
 
 
 def test_kl_eviction_is_ragged_and_stays_within_the_total_budget():

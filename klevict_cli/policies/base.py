@@ -13,7 +13,7 @@ import torch
 
 from klevict_cli.adapters import ModelAdapter
 from klevict_cli.attention import LayerProbe
-from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.cache import KVCache, LayerCache, LayerStack
 
 
 @dataclass
@@ -117,34 +117,31 @@ def select_keep(layer: LayerCache, scores: torch.Tensor, budget: int, protect: t
 
 
 def select_global(
-    layers: dict[int, LayerCache], scores: dict[int, torch.Tensor], budget: int, protect: dict[int, torch.Tensor],
-    min_per_head: int, max_per_head: int | None = None,
-) -> dict[int, torch.Tensor]:
-    """Keep `budget` entries per head on average, chosen by one top-k over every layer and head: scores must be
-    comparable across layers (the KL policy's are, in nats). Protected entries and each head's `min_per_head` best
-    entries are always kept, so no head is emptied; no head keeps more than `max_per_head` (in `compact` mode a
-    head's entries must fit the model's positions)."""
-    flat, owners = [], []
-    for idx, layer in layers.items():
-        s = scores[idx].float().masked_fill(~layer.valid, float("-inf"))
-        s = s.masked_fill(protect[idx] & layer.valid, float("inf"))
-        if max_per_head is not None and layer.capacity > max_per_head:
-            beyond = s.topk(layer.capacity - max_per_head, dim=1, largest=False).indices
-            s = s.scatter(1, beyond, float("-inf"))
-        k = min(min_per_head, layer.capacity)
-        if k:
-            floor = s.topk(k, dim=1).indices
-            s = s.scatter(1, floor, s.gather(1, floor).clamp(min=torch.finfo(torch.float32).max))
-        flat.append(s.flatten())
-        owners.append((idx, s.shape))
-    allowed = budget * sum(layers[idx].keys.shape[0] for idx in layers)
-    everything = torch.cat(flat)
-    keep_flat = torch.zeros_like(everything, dtype=torch.bool)
-    valid_count = int(torch.isfinite(everything).sum() + (everything == float("inf")).sum())
-    keep_flat[everything.topk(min(allowed, valid_count)).indices] = True
-    masks, offset = {}, 0
-    for idx, shape in owners:
-        n = shape[0] * shape[1]
-        masks[idx] = keep_flat[offset : offset + n].view(shape) & layers[idx].valid
-        offset += n
-    return masks
+    stack: LayerStack, scores: torch.Tensor, budget: int, protect: torch.Tensor, min_per_head: int,
+    max_per_head: int | None = None,
+) -> torch.Tensor:
+    """Keep `budget` entries per head on average, chosen by one top-k over every layer and head of `stack` (scores
+    (L, H, C), stacked like it): scores must be comparable across layers (the KL policy's are, in nats). Protected
+    entries (L, H, C) and each head's `min_per_head` best entries are always kept, so no head is emptied; no head
+    keeps more than `max_per_head` (in `compact` mode a head's entries must fit the model's positions). Returns
+    (L, H, C) keep masks; every step is one operation over all layers."""
+    valid = stack.valid
+    s = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protect & valid, float("inf"))
+    rows = s.flatten(0, 1)  # (L·H, C): every head of every layer
+    width = rows.shape[-1]
+    if max_per_head is not None and width > max_per_head:  # padding is -inf, so it goes first
+        rows = rows.scatter(1, rows.topk(width - max_per_head, dim=1, largest=False).indices, float("-inf"))
+    k = min(min_per_head, width)
+    if k:  # each head's best k entries are lifted above any score (not invalid ones: they stay -inf)
+        floor = rows.topk(k, dim=1)
+        lifted = torch.where(floor.values > float("-inf"), floor.values.clamp(min=torch.finfo(torch.float32).max),
+                             floor.values)
+        rows = rows.scatter(1, floor.indices, lifted)
+    everything = rows.flatten()
+    allowed = torch.tensor(budget * rows.shape[0], device=rows.device)
+    wanted = torch.minimum(allowed, (everything > float("-inf")).sum())
+    # one top-k of the most that may be kept; only the first `wanted` count (no host sync to cut it to size)
+    top = everything.topk(min(budget * rows.shape[0], everything.numel()))
+    chosen = torch.arange(top.indices.numel(), device=rows.device) < wanted
+    keep = torch.zeros_like(everything, dtype=torch.bool).index_put_((top.indices,), chosen)
+    return keep.view(valid.shape) & valid

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 
 import torch
 
 from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
-from klevict_cli.cache import mask_columns
+from klevict_cli.cache import LayerStack, Stacked, mask_columns, pad_stack
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
 
 RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
+STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores' work tensor, on a CPU / a GPU
 
 
 class KL(Policy):
@@ -98,16 +100,19 @@ class KL(Policy):
         """Estimated KL of removing each entry for these probes, plus (weighted) what the re-reading of its span
         estimated when it was read (`absorb_reconstruction`), when reconstruction probes were used."""
         scores = self.probe_scores(step, layer_ids)
-        stored = {i: step.cache.layers[i].extras[self.EXTRA] for i in layer_ids
-                  if self.EXTRA in step.cache.layers[i].extras}
-        if stored and step.judged is None:
+        ids = [i for i in layer_ids if self.EXTRA in step.cache.layers[i].extras]
+        if ids and step.judged is None:
+            stored = {i: step.cache.layers[i].extras[self.EXTRA] for i in ids}
             if self.calibration is not None:
                 stored = apply_calibration(stored, self.calibration)
             weight = self.weight_of_reconstruction(step.kept_fraction)
-            for i, s in stored.items():
-                scores[i] = scores[i] + weight * s.to(scores[i])
+            if isinstance(scores, Stacked) and ids == scores.layer_ids:  # one addition for every layer
+                extra = pad_stack([stored[i] for i in ids]).to(scores.tensor)
+                scores = Stacked(scores.tensor + weight * extra[..., : scores.tensor.shape[-1]], ids, scores.widths)
+            else:
+                scores = {i: s + weight * stored[i].to(s) if i in stored else s for i, s in scores.items()}
             if self.question_share > 0 and step.budget is not None:
-                scores = self.reserve_for_questions(step, scores, stored)
+                scores = self.reserve_for_questions(step, dict(scores), stored)
         return scores
 
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
@@ -158,17 +163,47 @@ class KL(Policy):
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
-                      ) -> dict[int, torch.Tensor]:
+                      ) -> Mapping[int, torch.Tensor]:
         adapter = step.adapter
         factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight,
                                  self.top_k, rank or self.rank,
                                  jacobian_scale=adapter.logit_jacobian_scale(step.logits))
+        if stackable(step, layer_ids) and all(adapter.post_attention_norm(i) is None for i in layer_ids):
+            readout = to_head_space(factors, adapter.output_projections(layer_ids), step.probes[layer_ids[0]]
+                                    .output.shape[0])  # (W, R, L·Hq, Dv): every layer's in one product
+            return self.stacked_entry_scores(step, layer_ids, readout)
         out = {}
         for i in layer_ids:
             readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output),
                                     adapter.output_projection(i).weight, step.probes[i].output.shape[0])
             out[i] = self.entry_scores(step, i, readout)
         return out
+
+    def stacked_entry_scores(self, step: EvictionStep, layer_ids: list[int], readout: torch.Tensor,
+                             fold_probes: bool = False) -> Stacked:
+        """`entry_scores` of many layers per kl_scores call (`stackable` layers): layers are stacked as extra heads,
+        padded to the widest cache (padding has weight 0, so it scores 0). readout (W, R, L·Hq, Dv). As many layers
+        go into one call as keep its work tensor within `STACKED_WORK_BYTES`: on a GPU that is every layer at
+        usual sizes (few launches), on a CPU a few (a work tensor that outgrows the caches is slower to stream than
+        the launches it saves)."""
+        probes, layers = [step.probes[i] for i in layer_ids], [step.cache.layers[i] for i in layer_ids]
+        hq, w, _ = probes[0].weights.shape
+        kv, width = layers[0].values.shape[0], max(layer.capacity for layer in layers)
+        device = probes[0].weights.device
+        per_layer = hq * w * readout.shape[1] * width * readout.element_size()
+        size = max(1, STACKED_WORK_BYTES[device.type == "cuda"] // per_layer)
+        scores = torch.zeros(len(layer_ids), kv, width, dtype=readout.dtype, device=device)
+        for lo in range(0, len(layer_ids), size):
+            group = range(lo, min(lo + size, len(layer_ids)))
+            n = len(group)
+            weights = pad_stack([probes[g].weights for g in group], dim=2)  # (n, Hq, W, C)
+            values = pad_stack([layers[g].values for g in group])  # (n, H_kv, C, Dv)
+            outputs = torch.stack([probes[g].output for g in group])  # (n, Hq, W, Dv)
+            c = weights.shape[-1]
+            scores[lo : lo + n, :, :c] = kl_scores(
+                weights.view(n * hq, w, c), outputs.view(n * hq, w, -1), values.view(n * kv, c, -1),
+                readout[:, :, lo * hq : (lo + n) * hq], n * kv, fold_probes=fold_probes).view(n, kv, c)
+        return Stacked(scores, layer_ids, [layer.capacity for layer in layers])
 
     def entry_scores(self, step: EvictionStep, i: int, readout: torch.Tensor, fold_probes: bool = False
                      ) -> torch.Tensor:
@@ -191,14 +226,33 @@ class KL(Policy):
         scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes) * judged
         return torch.zeros(layer.valid.shape, dtype=scores.dtype, device=scores.device).scatter_add_(1, columns, scores)
 
-    def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+    def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
         live = self.probes == "live"
         grads = step.backward(self.samples, live)
-        return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / math.sqrt(self.samples),
-                                     fold_probes=live) for i in layer_ids}
+        scale = math.sqrt(self.samples)
+        if stackable(step, layer_ids):
+            readout = torch.cat([grads[i] for i in layer_ids], dim=2)  # (W, S, L·Hq, Dv)
+            return self.stacked_entry_scores(step, layer_ids, readout.to(step.probes[layer_ids[0]].output.dtype)
+                                             / scale, fold_probes=live)
+        return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / scale, fold_probes=live)
+                for i in layer_ids}
 
 
-def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.Tensor], step: EvictionStep,
+def stackable(step: EvictionStep, layer_ids: list[int]) -> bool:
+    """Whether these layers can be scored as one: every entry judged, attention recorded over whole caches, and
+    one shape of heads and values (not MLA's values, which differ per query head)."""
+    if step.judged is not None or not layer_ids:
+        return False
+    shapes = set()
+    for i in layer_ids:
+        probe, layer = step.probes[i], step.cache.layers[i]
+        if probe.columns is not None or layer.values.shape[0] != layer.keys.shape[0]:
+            return False
+        shapes.add((probe.output.shape[0], *layer.values.shape[::2]))
+    return len(shapes) == 1
+
+
+def calibration_ratios(direct: Mapping[int, torch.Tensor], fisher: Mapping[int, torch.Tensor], step: EvictionStep,
                        per_head: bool = False) -> dict[int, torch.Tensor]:
     """Per KV head (or per layer), the median over evictable entries (not the probes) of fisher / direct score.
 
@@ -206,19 +260,23 @@ def calibration_ratios(direct: dict[int, torch.Tensor], fisher: dict[int, torch.
     Moby Dick, a factor per head ranks entries better against the float64 oracle than one per layer (Spearman .923
     vs .907 at layer 2, .977 vs .973 at layer 28), with the same downstream KL. A median, because per-entry Fisher
     estimates from a few samples are noisy and the scores are heavy-tailed (a ratio of sums would be decided by a
-    handful of entries)."""
-    ratios = {}
-    for i, d in direct.items():
-        layer = step.cache.layers[i]
-        candidates = layer.valid & (layer.positions < int(step.probe_positions[0])) & (d > 0)
-        ratio = torch.where(candidates, fisher[i] / d.where(candidates, 1.0), float("nan"))
-        ratio = ratio.nanmedian(dim=1).values if per_head else ratio.flatten().nanmedian()
-        ratios[i] = ratio.nan_to_num(1.0).expand(d.shape[0]).to(d.dtype)
-    return ratios
+    handful of entries). All layers at once (`LayerStack`)."""
+    stack = LayerStack.of({i: step.cache.layers[i] for i in direct})
+    d, f = stack.stack(direct), stack.stack(fisher)
+    candidates = stack.valid & (stack.positions < step.probe_positions[0]) & (d > 0)
+    ratio = torch.where(candidates, f / d.where(candidates, 1.0), float("nan"))
+    heads = ratio.shape[1]
+    ratio = ratio.nanmedian(dim=-1).values if per_head else ratio.flatten(1).nanmedian(dim=1).values[:, None]
+    ratio = ratio.nan_to_num(1.0).expand(-1, heads).to(d.dtype)
+    return {i: ratio[n] for n, i in enumerate(stack.layer_ids)}
 
 
-def apply_calibration(scores: dict[int, torch.Tensor], ratios: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def apply_calibration(scores: Mapping[int, torch.Tensor], ratios: dict[int, torch.Tensor]
+                      ) -> Mapping[int, torch.Tensor]:
     """Every KV head's direct scores times its calibration ratio (from `calibration_ratios`)."""
+    if isinstance(scores, Stacked):  # one product for every layer
+        factor = torch.stack([ratios[i] for i in scores.layer_ids]).to(scores.tensor)
+        return Stacked(scores.tensor * factor[..., None], scores.layer_ids, scores.widths)
     return {i: s * ratios[i].to(s)[:, None] for i, s in scores.items()}
 
 
