@@ -156,12 +156,14 @@ def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
             assert torch.allclose(got[i], expected, rtol=1e-5, atol=1e-12)
 
 
-def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model):
-    """With question_share, the entries with the highest (calibrated) re-reading KL — that share of the budget,
-    over all layers and heads — score above every other entry, and the rest keep their order."""
+@pytest.mark.parametrize("needed", ["kl", "attention"])
+def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model, needed):
+    """With question_share, the entries the re-reading needs most — by its (calibrated) KL, or by the most attention
+    it paid them (KVzip's score) — that share of the budget, over all layers and heads, score above every other
+    entry, and the rest keep their order."""
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25), budget=40, chunk_size=32,
-                    probe_window=8, reconstruction=reconstruction())
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25, question_scores=needed),
+                    budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)
     kl, layers = engine.policy, list(range(len(stream.cache.layers)))
@@ -171,8 +173,8 @@ def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model)
         kl.question_share = 0.0
         plain = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
     valid = [stream.cache.layers[i].valid for i in layers]
-    stored = torch.cat([(stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None])[v]
-                        for i, v in zip(layers, valid)])
+    stored = torch.cat([(stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None] if needed == "kl"
+                         else stream.cache.layers[i].extras[KL.QUESTION_EXTRA])[v] for i, v in zip(layers, valid)])
     heads = sum(v.shape[0] for v in valid)
     lifted = torch.cat([(g - p)[v] for g, p, v in zip(got.values(), plain.values(), valid)]) > 0
     assert int(lifted.sum()) == int(0.25 * 20 * heads)
@@ -216,6 +218,26 @@ def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
         for h in range(layer.keys.shape[0]):
             kept = set(layer.positions[h][layer.valid[h]].tolist())
             assert {0, 1, 2, 3} <= kept and max(kept) < 100
+
+
+def test_kl_measures_what_questions_need_as_kvzip_does(model):
+    """KL(question_scores="attention") keeps, per entry, KVzip's score of the same re-reading: read in one choice
+    (the same cache is re-read by both), the entries both keep carry the same score."""
+    ids = torch.randint(0, 300, (60,)).tolist()
+    kept = {}
+    for policy, name in ((KL(lookahead=4, question_share=0.25, question_scores="attention"), KL.QUESTION_EXTRA),
+                         (make_policy("kvzip"), "kvzip")):
+        engine = Engine(model, adapter_for(model), policy, budget=30, chunk_size=64, probe_window=8,
+                        reconstruction=reconstruction())
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        kept[name] = {(i, h, int(p)): float(s) for i, layer in enumerate(stream.cache.layers)
+                      for h in range(layer.keys.shape[0])
+                      for p, s in zip(layer.positions[h][layer.valid[h]], layer.extras[name][h][layer.valid[h]])}
+    common = set(kept[KL.QUESTION_EXTRA]) & set(kept["kvzip"])
+    assert len(common) > 100 and any(kept["kvzip"][k] > 0 for k in common)
+    for key in common:
+        assert kept[KL.QUESTION_EXTRA][key] == pytest.approx(kept["kvzip"][key], rel=1e-5, abs=1e-7)
 
 
 def test_kvzip_refuses_to_run_without_reconstruction(model):

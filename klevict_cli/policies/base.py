@@ -14,6 +14,7 @@ import torch
 from klevict_cli.adapters import ModelAdapter
 from klevict_cli.attention import LayerProbe
 from klevict_cli.cache import KVCache, LayerCache, LayerStack
+from klevict_cli.probes import SINKS
 
 
 @dataclass
@@ -102,6 +103,23 @@ def judged_mask(layer: LayerCache, judged: tuple[int, int] | None) -> torch.Tens
     if judged is None:
         return layer.valid
     return layer.valid & (layer.positions >= judged[0]) & (layer.positions < judged[1])
+
+
+def reconstruction_columns(step: EvictionStep, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a reconstruction probe set (`step.judged` is the span re-read): the (H_kv, n) columns its attention was
+    recorded over, which of them it attends to in KVzip's restricted softmax (the attention sinks, the span and the
+    re-reading itself), and which of them it judges (the span)."""
+    layer, probe = step.cache.layers[layer_idx], step.probes[layer_idx]
+    columns, present = probe.entries(layer)
+    positions = layer.positions.gather(1, columns)
+    judged = present & (positions >= step.judged[0]) & (positions < step.judged[1])
+    inside = present & ((positions < SINKS) | judged | (positions >= step.read_end))
+    return columns, inside, judged
+
+
+def spread(layer: LayerCache, columns: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """(H_kv, n) scores of the entries at `columns` as an (H_kv, C) tensor over the layer's columns (0 elsewhere)."""
+    return torch.zeros(layer.valid.shape, dtype=scores.dtype, device=scores.device).scatter_add_(1, columns, scores)
 
 
 def select_keep(layer: LayerCache, scores: torch.Tensor, budget: int, protect: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,10 @@ from collections.abc import Mapping
 
 import torch
 
+from klevict_kernels.attention_rules import restricted_max_attention
 from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.cache import LayerStack, Stacked, mask_columns, pad_stack
-from klevict_cli.policies.base import EvictionStep, Policy, judged_mask
+from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconstruction_columns, spread
 
 RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
 STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores' work tensor, on a CPU / a GPU
@@ -41,12 +42,14 @@ class KL(Policy):
     needs_probes = True
     reconstruction = "optional"
     EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
+    QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
                  reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.0,
-                 refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0):
+                 refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0,
+                 question_scores: str = "kl"):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -59,6 +62,9 @@ class KL(Policy):
         self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         self.question_share = question_share  # of the budget, kept for the re-reading's most needed entries
+        if question_scores not in ("kl", "attention"):
+            raise ValueError(f"question_scores must be 'kl' or 'attention', not {question_scores!r}")
+        self.question_scores = question_scores  # "most needed": by the re-reading's KL, or its attention (KVzip)
         if refit not in ("never", "final", "always"):
             raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
         self.refit, self.refit_ridge = refit, refit_ridge
@@ -91,7 +97,8 @@ class KL(Policy):
                 "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight),
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
-                "question_share": str(self.question_share), "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
+                "question_share": str(self.question_share), "question_scores": self.question_scores,
+                "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -112,7 +119,9 @@ class KL(Policy):
             else:
                 scores = {i: s + weight * stored[i].to(s) if i in stored else s for i, s in scores.items()}
             if self.question_share > 0 and step.budget is not None:
-                scores = self.reserve_for_questions(step, dict(scores), stored)
+                needed = stored if self.question_scores == "kl" else {
+                    i: step.cache.layers[i].extra(self.QUESTION_EXTRA) for i in ids}
+                scores = self.reserve_for_questions(step, dict(scores), needed)
         return scores
 
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
@@ -151,6 +160,12 @@ class KL(Policy):
         for i, s in self.direct_scores(step, layer_ids, self.reconstruction_rank).items():
             layer = step.cache.layers[i]
             layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + s.float()
+        if self.question_share > 0 and self.question_scores == "attention":
+            for i in layer_ids:
+                layer = step.cache.layers[i]
+                columns, inside, judged = reconstruction_columns(step, i)
+                attention = spread(layer, columns, restricted_max_attention(step.probes[i].weights, inside, judged))
+                layer.extras[self.QUESTION_EXTRA] = torch.maximum(layer.extra(self.QUESTION_EXTRA), attention)
 
     def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         if (self.final_propagation if step.final else self.propagation) == "fisher":

@@ -14,7 +14,7 @@ import torch
 
 from klevict_kernels.attention_rules import input_times_gradient, restricted_max_attention
 from klevict_kernels.output_rules import projected_value_norm
-from klevict_cli.policies.base import EvictionStep, Policy
+from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread
 from klevict_cli.probes import SINKS
 
 
@@ -26,13 +26,9 @@ class KVzip(Policy):
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         for i in layer_ids:
-            layer, probe = step.cache.layers[i], step.probes[i]
-            columns, present = probe.entries(layer)  # what the probes' attention was recorded over
-            positions = layer.positions.gather(1, columns)
-            judged = present & (positions >= step.judged[0]) & (positions < step.judged[1])
-            inside = present & ((positions < SINKS) | judged | (positions >= step.read_end))
-            scores = self.span_scores(step, i, columns, inside, judged)
-            scores = torch.zeros(layer.valid.shape, device=scores.device).scatter_add_(1, columns, scores)
+            layer = step.cache.layers[i]
+            columns, inside, judged = reconstruction_columns(step, i)
+            scores = spread(layer, columns, self.span_scores(step, i, columns, inside, judged).float())
             layer.extras[self.EXTRA] = torch.maximum(layer.extra(self.EXTRA), scores)
 
     def span_scores(self, step: EvictionStep, layer_idx: int, columns: torch.Tensor, inside: torch.Tensor,
