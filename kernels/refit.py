@@ -45,10 +45,9 @@ def refit_values(weights: torch.Tensor, outputs: torch.Tensor, values: torch.Ten
     gram = a_kept @ a_kept.transpose(1, 2)  # (H_kv, R, R)
     scale = gram.diagonal(dim1=1, dim2=2).mean(dim=-1).clamp_min(torch.finfo(dtype).tiny)
     eye = torch.eye(gram.shape[-1], dtype=dtype, device=gram.device)
-    # Symmetric positive definite: a Cholesky solve (MKL's batched LU solve failed after some earlier work in a
-    # process on the 2-core CI machine, "Parameter 6 was incorrect on entry to SLASWP").
-    # Factor and two triangular solves, none of which checks for errors (a check reads a value back from the device;
-    # the ridge keeps the system definite).
+    # Symmetric positive definite: a Cholesky factor and two triangular solves, none of which checks for errors (a
+    # check reads a value back from the device; the ridge keeps the system definite). MKL's batched LU solve failed
+    # after some earlier work in a process on the 2-core CI machine ("Parameter 6 was incorrect on entry to SLASWP").
     factor = torch.linalg.cholesky_ex(gram + ridge * scale[:, None, None] * eye).L
     half = torch.linalg.solve_triangular(factor, residual, upper=False)
     delta = a_kept.transpose(1, 2) @ torch.linalg.solve_triangular(factor.transpose(1, 2), half, upper=True)

@@ -106,9 +106,7 @@ class LayerCache:
         counts = mask.sum(dim=1)
         if new_cap is None:
             new_cap = int(counts.max()) if counts.numel() else 0
-        if order is None:  # stable sort puts kept entries first, in order; the first new_cap columns are the layout
-            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
-        order = order[:, :new_cap]
+        order = (kept_first(mask) if order is None else order)[:, :new_cap]  # the first new_cap: the new layout
         valid = torch.arange(new_cap, device=mask.device)[None, :] < counts[:, None]
         packed = {}
         for name in _FIELDS[:-1]:  # gather everything from the old layout before replacing any field
@@ -138,12 +136,18 @@ class LayerCache:
         return n * (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
 
 
+def kept_first(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's column indices with the columns where `mask` is true first, in order (a stable sort), then the
+    rest: the layout of kept entries after a re-pack."""
+    return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+
+
 def mask_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The columns where each head's `mask` (H, C) is true, left-aligned and padded to the fullest head:
     (H, n) column indices (padding repeats column 0) and (H, n) bool, true where real."""
     counts = mask.sum(dim=1)
     n = max(int(counts.max()) if counts.numel() else 0, 1)
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :n]
+    order = kept_first(mask)[:, :n]
     present = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
     return order.masked_fill(~present, 0), present
 
@@ -192,14 +196,14 @@ class LayerStack:
         return cls(ids, [layers[i].capacity for i in ids], pad_stack([layers[i].valid for i in ids], fill=False),
                    pad_stack([layers[i].positions for i in ids], fill=-1))
 
-    def stack(self, per_layer: Mapping[int, torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+    def stack(self, per_layer: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """(L, H, C) float from per-layer (H, ≥ C_l) tensors (their first C_l columns), without a copy when they are
-        already `Stacked` over these layers."""
+        already `Stacked` over these layers. Beyond each layer's columns: 0 (invalid in `valid`)."""
         width = self.valid.shape[-1]
         if isinstance(per_layer, Stacked) and per_layer.layer_ids == self.layer_ids \
                 and per_layer.tensor.shape[-1] >= width:
             return per_layer.tensor[..., :width].float()
-        return pad_stack([per_layer[i][:, :w].float() for i, w in zip(self.layer_ids, self.widths)], fill=fill)
+        return pad_stack([per_layer[i][:, :w].float() for i, w in zip(self.layer_ids, self.widths)])
 
     def split(self, stacked: torch.Tensor) -> Stacked:
         return Stacked(stacked, self.layer_ids, self.widths)
@@ -208,8 +212,7 @@ class LayerStack:
 def keep_orders(masks: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """For (L, H, C) keep masks: each head's kept columns first, in order (`LayerCache.keep`'s layout), and each
     layer's new capacity — one sort and one host sync for every layer."""
-    order = torch.argsort((~masks).to(torch.int8), dim=-1, stable=True)
-    return order, masks.sum(dim=-1).amax(dim=-1).tolist()
+    return kept_first(masks), masks.sum(dim=-1).amax(dim=-1).tolist()
 
 
 class KVCache:

@@ -156,10 +156,10 @@ def select_global(
                              floor.values)
         rows = rows.scatter(1, floor.indices, lifted)
     everything = rows.flatten()
-    allowed = torch.tensor(budget * rows.shape[0], device=rows.device)
-    wanted = torch.minimum(allowed, (everything > float("-inf")).sum())
+    allowed = min(budget * rows.shape[0], everything.numel())
+    wanted = (everything > float("-inf")).sum().clamp(max=allowed)
     # one top-k of the most that may be kept; only the first `wanted` count (no host sync to cut it to size)
-    top = everything.topk(min(budget * rows.shape[0], everything.numel()))
+    top = everything.topk(allowed)
     chosen = torch.arange(top.indices.numel(), device=rows.device) < wanted
     keep = torch.zeros_like(everything, dtype=torch.bool).index_put_((top.indices,), chosen)
     return keep.view(valid.shape) & valid

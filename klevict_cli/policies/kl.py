@@ -239,7 +239,7 @@ class KL(Policy):
         index = columns.repeat_interleave(values.shape[0] // kv_heads, dim=0)
         values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
         scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes) * judged
-        return torch.zeros(layer.valid.shape, dtype=scores.dtype, device=scores.device).scatter_add_(1, columns, scores)
+        return spread(layer, columns, scores)
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
         live = self.probes == "live"
