@@ -4,6 +4,10 @@
 #   bash examples/gpu_check.sh tests                      # the unit tests, every tensor on the GPU
 #   bash examples/gpu_check.sh real MODEL DOC OUTDIR [LONG_DOC]  # the real model end to end (DOC), then the
 #                                                                 # bench, cost and perf tables (LONG_DOC)
+#   bash examples/gpu_check.sh cost MODEL LONG_DOC OUTDIR        # kl and snapkv against the full read at 2k and 8k
+#                                                                 # tokens (with a profile), and bench fidelity
+#   bash examples/gpu_check.sh shapes LONG_DOC OUTDIR DTYPE FOLDER...  # the cost at 8k and 32k tokens of models
+#                                                                 # built from each FOLDER's config with random weights
 #
 # Each step has its own time limit and the script goes on after a failure, so one run reports everything; it exits
 # non-zero if any step failed. CI never runs this (it has no GPU).
@@ -45,8 +49,26 @@ real)
         --out "$out/bench-cuda.json"
     step 120 $py examples/perf.py "$long" --model "$model" --device "$dev" --dtype bfloat16 --json "$out/perf-cuda.json"
     ;;
+cost)
+    model=$2 long=$3 out=$4
+    step 150 $py examples/cost.py "$long" --model "$model" --device "$dev" --tokens 2048,8192 --methods kl,snapkv \
+        --budgets 10% --places 2 --reps 2 --json "$out/cost-default.json" --profile "$out/profile-default.txt"
+    step 100 $py -m klevict_cli bench "$long" --model "$model" --device "$dev" --methods kl,snapkv --budgets 10%,5% \
+        --windows 2 --seed 0 --out "$out/bench-cuda.json"
+    ;;
+shapes)
+    long=$2 out=$3 dtype=$4
+    shift 4
+    for folder in "$@"; do
+        name=$(basename "$folder")
+        step "${SHAPE_SECONDS:-100}" $py examples/cost.py "$long" --model "$folder" --random-weights --device "$dev" \
+            --dtype "$dtype" --tokens 8192,32768 --methods kl,snapkv --budgets 10% --places 1 --reps 1 \
+            --json "$out/cost-$name.json" ${PROFILE:+--profile "$out/profile-$name.txt"}
+    done
+    ;;
 *)
-    echo "usage: bash examples/gpu_check.sh tests | real MODEL DOC OUTDIR [LONG_DOC]" >&2
+    echo "usage: bash examples/gpu_check.sh tests | real MODEL DOC OUTDIR [LONG_DOC] | cost MODEL LONG_DOC OUTDIR" \
+         "| shapes LONG_DOC OUTDIR DTYPE FOLDER..." >&2
     exit 2
     ;;
 esac

@@ -177,7 +177,7 @@ def test_refitting_the_kept_values_changes_values_only(family):
     """kl's refit (kernels/refit.py) keeps the same entries, keys and positions as no refit; only the kept values of
     scored layers may differ (none where the cache holds MLA's latent rather than the values heads attend over)."""
     _, model, adapter = family
-    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2), device="cpu").tolist()
     caches = {}
     for refit in ("never", "final"):
         engine = Engine(model, adapter, KL(refit=refit), budget=20, chunk_size=16, probe_window=8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klevict_kernels.kl import direct_readout, kl_scores, removal_coefficients, to_head_space
+from klevict_kernels.kl import direct_readout, kl_scores, removal_coefficients, to_head_space, top_eigenvectors
 from klevict_cli.adapters import adapter_for
 from klevict_cli.cache import KVCache, LayerCache, LayerStack, Stacked
 from klevict_cli.engine import Engine
@@ -151,9 +151,10 @@ def test_every_layer_scored_at_once_scores_each_layer_as_scoring_it_alone(monkey
     for path, scores in stacked.items():
         assert isinstance(scores, Stacked)
         for i in layers:
-            readout = (to_head_space(factors, adapter.output_projection(i).weight, 4) if path == "direct"
-                       else grads[i] / 2 ** 0.5)
-            alone = kl.entry_scores(step, i, readout, fold_probes=path == "fisher")
+            with torch.inference_mode():  # as the engine scores (W_O is a parameter: no graph of it is wanted)
+                readout = (to_head_space(factors, adapter.output_projection(i).weight, 4) if path == "direct"
+                           else grads[i] / 2 ** 0.5)
+                alone = kl.entry_scores(step, i, readout, fold_probes=path == "fisher")
             assert scores[i].shape == alone.shape == stream.cache.layers[i].valid.shape
             torch.testing.assert_close(scores[i], alone, rtol=1e-5, atol=1e-9)
 
@@ -324,3 +325,14 @@ def test_calibration_is_learnt_per_document():
     assert engine.policy.calibration is None
     engine.feed(engine.new_stream(), list(reversed(ids)))
     assert engine.policy.calibration is not None and engine.policy.calibration is not first
+
+
+def test_top_eigenvectors_are_the_leading_ones_largest_first():
+    torch.manual_seed(4)
+    basis, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))
+    eigenvalues = torch.tensor([0.5, 6.0, 1.0, 4.0, 0.1, 2.0], dtype=torch.float64)
+    gram = (basis * eigenvalues) @ basis.T
+    top = top_eigenvectors(torch.stack([gram, gram]), 3)
+    assert top.shape == (2, 6, 3) and top.device == gram.device
+    for column, index in enumerate((1, 3, 5)):  # eigenvalues 6, 4, 2
+        assert torch.allclose(top[0, :, column].abs(), basis[:, index].abs(), atol=1e-9)
