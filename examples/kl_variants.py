@@ -3,7 +3,8 @@
     python examples/kl_variants.py ../shared/data/moby-dick.txt samples=4 rounds=1 --budgets 20%,10% --seed 2
 
 Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds,
-`working=F` for the working limit (× the budget) and `reconstruct=1` for reconstruction probes; variants that differ
+`working=F` for the working limit (× the budget), `reconstruct=1` for reconstruction probes and `sees=span` /
+`span=N` for how they re-read; variants that differ
 in the last two are read in separate bench runs (the same windows).
 The read's last eviction is probed by 64 sampled tokens, and one draft decides a window's result: two runs of the
 same default with different random streams differ by up to 10 % in mean KL. A variant that changes anything before
@@ -37,7 +38,8 @@ DEFAULT_ROUNDS = probes_module.Drafts().rounds
 
 
 def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
-    """KL kwargs, draft rounds, working limit (× budget) and reconstruction of one variant spec."""
+    """KL kwargs, draft rounds, working limit (× budget) and reconstruction of one variant spec (`sees` and `span`
+    go into the kwargs as the policy's reconstruction_sees / reconstruction_span)."""
     kwargs, rounds, working, reconstruct = {}, DEFAULT_ROUNDS, None, False
     for item in filter(None, spec.split(",")):
         key, _, text = item.partition("=")
@@ -60,7 +62,8 @@ def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
 
 def register(label: str, kwargs: dict, rounds: int) -> None:
     """A policy class named `label` that is KL(**kwargs) and drafts with `rounds` Jacobi rounds."""
-    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds,
+    how = {f"reconstruction_{key}": kwargs.pop(key) for key in ("sees", "span") if key in kwargs}
+    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 
 

@@ -128,6 +128,24 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
 
 
+def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_questions_need(model):
+    """reconstruction_weight=0: the re-reading's KL would never count, so it is not computed (the costly part of a
+    re-reading's scoring); KVzip's score of it is, and the question share still lifts its top entries."""
+    ids = torch.randint(0, 300, (90,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.0), budget=40, chunk_size=32,
+                    probe_window=8, reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert all(KL.EXTRA not in layer.extras and KL.QUESTION_EXTRA in layer.extras for layer in stream.cache.layers)
+    kl, layers = engine.policy, list(range(len(stream.cache.layers)))
+    with torch.inference_mode():
+        logits, ctx = engine.probe_again(stream, 8)
+        got = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
+        plain = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
+    lifted = sum(int(((got[i] - plain[i]) > 0)[stream.cache.layers[i].valid].sum()) for i in layers)
+    assert lifted == int(kl.question_share * 20 * sum(layer.valid.shape[0] for layer in stream.cache.layers))
+
+
 def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
     """The stored re-reading KL enters a later eviction calibrated like the look-ahead's scores, weighted by
     reconstruction_weight × (kept fraction / 20 %)^4; stored raw (the calibration comes from the first eviction's
@@ -137,8 +155,8 @@ def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
     assert policy.weight_of_reconstruction(0.05) == pytest.approx(0.01 / 256)
     assert policy.weight_of_reconstruction(None) == policy.weight_of_reconstruction(1.0) == pytest.approx(6.25)
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=40, chunk_size=32, probe_window=8,
-                    reconstruction=reconstruction())
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.0), budget=40, chunk_size=32,
+                    probe_window=8, reconstruction=reconstruction())  # the weighting alone: no share lifted
     stream = engine.new_stream()
     engine.feed(stream, ids)
     kl = engine.policy
