@@ -13,7 +13,7 @@ full read of the same tokens and the table reports the median (and spread) of th
 of a model too large to carry can be timed; its outputs are noise, so only its times mean anything. `--profile FILE`
 then profiles one read per method (first window, first budget) and writes where the time went: wall time inside
 evictions, inside their model passes (drafts, re-reading, calibration backward) and outside evictions, the kernels
-launched and the host syncs, and the top operators by self time.
+launched and the host syncs (synchronisations and copies back to the host), and the top operators by self time.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from klevict_cli.options import parse_budget, resolve_device, resolve_dtype
 from klevict_cli.session import ReadSettings, Session
 from op_count import MODEL_PASS, counted
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# The host waits for the GPU at an explicit synchronisation and at every copy to the host (a value read back).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
