@@ -9,9 +9,10 @@ data-dependent shape such as `nonzero`), is slow however little arithmetic it do
 the count is the same, only the cost differs. This script reads the same tokens with models that differ only in
 their number of layers and counts, inside each eviction and each decoded token, the top-level aten operators and
 the value reads (`aten::_local_scalar_dense`, which `.item()` and truth tests go through, and `aten::nonzero`), and
-counts the host reads the profiler cannot see on a CPU (`.tolist()`, `.cpu()`, `.item()`, truth tests: HostReads). An eviction's model passes (the look-ahead drafts, the re-reading, the calibration's
-backward pass) are counted apart: like any forward they launch operators per layer, and what batching across layers
-can remove is the rest — scoring, calibration, selection and the cache's update.
+counts the host reads the profiler cannot see on a CPU (`.tolist()`, `.cpu()`, `.item()`, truth tests: HostReads).
+An eviction's model passes (the look-ahead drafts, the re-reading, the calibration's backward pass) are counted
+apart: like any forward they launch operators per layer, and what batching across layers can remove is the rest —
+scoring, calibration, selection and the cache's update.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from tests.conftest import tiny_llama
 
 def _probes(hq=4, kv=2, w=3, c=20, dv=5, appended=2, seed=0):
     g = torch.Generator().manual_seed(seed)  # a CPU generator: its draws move to the test device afterwards
-    logits = torch.randn(hq, w, c + appended, generator=g, dtype=torch.float64, device="cpu").to(torch.get_default_device())
+    device = torch.get_default_device()
+    logits = torch.randn(hq, w, c + appended, generator=g, dtype=torch.float64, device="cpu").to(device)
     weights = logits.softmax(dim=-1)
     values = torch.randn(kv, c + appended, dv, generator=g, dtype=torch.float64, device="cpu").to(logits.device)
     per_query = values.repeat_interleave(hq // kv, dim=0)

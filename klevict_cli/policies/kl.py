@@ -122,7 +122,7 @@ class KL(Policy):
             else:
                 scores = {i: s + weight * stored[i].to(s) if i in stored else s for i, s in scores.items()}
         if self.question_share > 0 and step.budget is not None:
-            needed = self.stored(step, layer_ids, self.EXTRA if self.question_scores == "kl" else self.QUESTION_EXTRA)
+            needed = stored if self.question_scores == "kl" else self.stored(step, layer_ids, self.QUESTION_EXTRA)
             if needed:
                 scores = self.reserve_for_questions(step, dict(scores), needed)
         return scores
