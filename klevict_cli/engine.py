@@ -244,7 +244,7 @@ class Engine:
             if layer.window is not None and layer.capacity > layer.window:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
-    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, w: int, final: bool = False,
+    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor | None, w: int, final: bool = False,
                       judged: tuple[int, int] | None = None, budget: int | None = None, appended: int = 0
                       ) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
@@ -254,15 +254,16 @@ class Engine:
             probes=ctx.probes,
             probe_positions=torch.arange(stream.next_position - w, stream.next_position, device=self.device),
             residuals=ctx.residuals,
-            logits=logits[-w:] if ctx.probe_rows else None,
+            logits=logits[-w:] if ctx.probe_rows and logits is not None else None,
             generator=self.generator,
             final=final,
             judged=judged,
             kept_fraction=self.kept_fraction(stream, budget, appended),
             budget=self.budget if budget is None else budget,
-            backward=lambda samples, live: head_output_gradients(
-                self.model, stream.cache, stream.tokens[-w:],
-                torch.arange(stream.next_rope - w, stream.next_rope, device=self.device), samples, self.generator, live,
+            backward=lambda samples, live, rows=w: head_output_gradients(
+                self.model, stream.cache, stream.tokens[-rows:],
+                torch.arange(stream.next_rope - rows, stream.next_rope, device=self.device), samples, self.generator,
+                live,
             ),
             output_gradient_norms=lambda: attention_output_gradient_norms(
                 self.model, self.adapter.attentions, self.adapter.final_norm, stream.cache, stream.tokens[-w:],

@@ -31,7 +31,7 @@ class ProbeSet:
     """Tokens appended to a stream to probe its cache: the policy reads `ctx`/`logits` of the last `rows` of them."""
 
     ctx: ForwardContext
-    logits: torch.Tensor  # (rows, vocab)
+    logits: torch.Tensor | None  # (rows, vocab); None where the policy does not read them
     appended: int  # tokens appended (forgotten once the set is scored)
     rows: int  # probe rows: the last `rows` appended tokens
     judged: tuple[int, int] | None = None  # the positions [lo, hi) whose entries this set judges; None: all
@@ -95,6 +95,7 @@ class Reconstruction:
     def probe_sets(self, engine, stream, start: int) -> Iterator[ProbeSet]:
         """Re-read the stream's tokens from position `start` to its end, one span per set."""
         end = stream.next_position
+        read = engine.policy.reads_reconstruction_logits()
         for lo in range(max(start, 1), end, self.span):  # position 0 (BOS or the first token) is never re-read
             hi = min(end, lo + self.span)
             prompt = self.first if lo <= 1 else self.later + stream.tokens[max(1, lo - self.overlap) : lo]
@@ -102,9 +103,9 @@ class Reconstruction:
             if stream.next_rope + len(ids) > engine.adapter.max_positions:
                 return  # no room left in the model's positions to re-read
             entries = functools.partial(_span_entries, lo, hi, end)
-            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo, probe_entries=entries,
-                                         attend_entries=entries if self.sees == "span" else None)
-            yield ProbeSet(ctx, logits, len(ids), hi - lo, judged=(lo, hi))
+            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo, logits_rows=hi - lo if read else 1,
+                                         probe_entries=entries, attend_entries=entries if self.sees == "span" else None)
+            yield ProbeSet(ctx, logits if read else None, len(ids), hi - lo, judged=(lo, hi))
 
 
 def _span_entries(lo: int, hi: int, end: int, layer) -> torch.Tensor:

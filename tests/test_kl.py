@@ -235,6 +235,46 @@ def test_decode_eviction_never_evicts_the_question(method):
     assert engine.held_per_head(stream) < 120  # and the answer was evicted meanwhile
 
 
+def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_recorded():
+    """kl calibrates on its last `calibration_rows` probes (a read kept whole calibrates on its 128 drafts): the
+    step cut to them scores, and runs its backward pass, as a step whose forward recorded only those rows; the
+    candidates stay the entries before every probe."""
+    model = tiny_llama(seed=4)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (96,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(calibration_rows=4), budget=None, chunk_size=40)
+    layers = list(range(len(model.model.layers)))
+    steps, grads = {}, {}
+    for rows in (16, 4):
+        stream = engine.new_stream()
+        engine.feed(stream, ids[:80])
+        logits, ctx = engine.forward(stream, ids[80:], probe_rows=rows)
+        steps[rows] = engine.eviction_step(stream, ctx, logits, rows)
+        engine.generator.manual_seed(0)
+        grads[rows] = steps[rows].backward(2, True)
+    sample = steps[16].last_probes(4)
+    assert steps[16].last_probes(16) is steps[16]
+    torch.testing.assert_close(sample.residuals, steps[4].residuals)
+    torch.testing.assert_close(sample.logits, steps[4].logits)
+    assert torch.equal(sample.probe_positions, steps[4].probe_positions)
+    engine.generator.manual_seed(0)
+    cut = sample.backward(2, True)
+    kl = engine.policy
+    with torch.inference_mode():
+        for i in layers:
+            torch.testing.assert_close(cut[i], grads[4][i])
+        direct = kl.direct_scores(steps[4], layers)
+        for i in layers:
+            torch.testing.assert_close(kl.direct_scores(sample, layers)[i], direct[i])
+        engine.generator.manual_seed(0)
+        expected = calibration_ratios(direct, kl.fisher_scores(steps[4], layers), steps[16], per_head=True)
+        kl.calibration = None
+        engine.generator.manual_seed(0)
+        kl.probe_scores(steps[16], layers)
+    for i in layers:
+        torch.testing.assert_close(kl.calibration[i], expected[i])
+
+
 @pytest.mark.parametrize("final_propagation", ["direct", "fisher"])
 def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_backward_pass(monkeypatch,
                                                                                          final_propagation):

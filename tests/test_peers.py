@@ -81,7 +81,7 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         lo, hi = probe_set.judged
         prompt = [7, 8, 9] if lo == 1 else [10, 11] + ids[lo - 3 : lo]
         assert stream.tokens == ids + prompt + [12] + ids[lo:hi]  # the instruction, then the span re-read
-        assert probe_set.rows == hi - lo and probe_set.logits.shape[0] == hi - lo
+        assert probe_set.rows == hi - lo and probe_set.logits is None  # kl's default reads no re-reading logits
         seen.append((lo, hi))
         engine.forget_drafts(stream, probe_set.appended)
     assert seen == [(1, 17), (17, 33), (33, 49), (49, 65), (65, 70)]
@@ -90,12 +90,33 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
 
 
+def test_a_re_reading_computes_next_token_logits_only_for_a_policy_that_reads_them(model):
+    """kl reads the re-reading's logits to KL-score it; with reconstruction_weight 0 it does not, and the re-reading
+    skips them (a vocabulary-sized product per token) and records the same attention."""
+    ids = torch.randint(0, 300, (50,)).tolist()
+    recorded = {}
+    for weight in (0.01, 0.0):
+        engine = Engine(model, adapter_for(model), KL(lookahead=0, reconstruction_weight=weight), budget=None,
+                        chunk_size=32)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        recorded[weight] = []
+        for probe_set in reconstruction(span=16).probe_sets(engine, stream, 0):
+            recorded[weight].append((probe_set.logits, probe_set.ctx.probes[1].weights))
+            engine.forget_drafts(stream, probe_set.appended)
+    assert [logits.shape[0] for logits, _ in recorded[0.01]] == [16, 16, 16, 1]
+    assert all(logits is None for logits, _ in recorded[0.0])
+    for (_, read), (_, skipped) in zip(recorded[0.01], recorded[0.0]):
+        torch.testing.assert_close(skipped, read)
+
+
 @torch.inference_mode()  # as the engine scores
 def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
     """A span's scores come from its columns only — recorded alone (normalised by the kernel's log-sum-exp), or
     gathered from a full attention map — and must be the full computation's on them."""
     ids = torch.randint(0, 300, (60,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=0, calibrate=False), budget=None, chunk_size=32)
+    engine = Engine(model, adapter_for(model), KL(lookahead=0, calibrate=False, reconstruction_weight=0.01),
+                    budget=None, chunk_size=32)
     stream = engine.new_stream()
     engine.feed(stream, ids)
     policy = engine.policy
@@ -118,8 +139,8 @@ def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
 
 def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=20, chunk_size=32, probe_window=8,
-                    reconstruction=reconstruction())
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.01), budget=20, chunk_size=32,
+                    probe_window=8, reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert stream.reconstructed == 90 and stream.tokens == ids and engine.held_per_head(stream) == 20
@@ -150,13 +171,14 @@ def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
     """The stored re-reading KL enters a later eviction calibrated like the look-ahead's scores, weighted by
     reconstruction_weight × (kept fraction / 20 %)^4; stored raw (the calibration comes from the first eviction's
     own probes, not from a re-reading)."""
-    policy = KL()
+    policy = KL(reconstruction_weight=0.01)
     assert policy.weight_of_reconstruction(0.2) == pytest.approx(0.01)
     assert policy.weight_of_reconstruction(0.05) == pytest.approx(0.01 / 256)
     assert policy.weight_of_reconstruction(None) == policy.weight_of_reconstruction(1.0) == pytest.approx(6.25)
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.0), budget=40, chunk_size=32,
-                    probe_window=8, reconstruction=reconstruction())  # the weighting alone: no share lifted
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.0, reconstruction_weight=0.01),
+                    budget=40, chunk_size=32, probe_window=8,
+                    reconstruction=reconstruction())  # the weighting alone: no share lifted
     stream = engine.new_stream()
     engine.feed(stream, ids)
     kl = engine.policy
@@ -180,7 +202,8 @@ def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model,
     it paid them (KVzip's score) — that share of the budget, over all layers and heads, score above every other
     entry, and the rest keep their order."""
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25, question_scores=needed),
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25, question_scores=needed,
+                                                   reconstruction_weight=0.01),
                     budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)

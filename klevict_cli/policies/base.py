@@ -7,7 +7,7 @@ keep-set within the budget. Policies never touch the cache or the model: the eng
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,10 +33,23 @@ class EvictionStep:
     read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
     kept_fraction: float | None = None  # the budget over the tokens read so far (how much of the document survives)
     budget: int | None = None  # entries per head (on average) the eviction keeps
-    # (S samples, live probes) -> per layer (W, S, Hq, Dv) gradients (klevict_cli/fisher.py)
-    backward: Callable[[int, bool], dict[int, torch.Tensor]] | None = None
+    # (S samples, live probes[, the last R probes only]) -> per layer (W or R, S, Hq, Dv) gradients (fisher.py)
+    backward: Callable[..., dict[int, torch.Tensor]] | None = None
     # () -> per layer (W,) ‖∂Φ/∂a‖, KVgrad's sensitivity of the probes' final residuals (klevict_cli/fisher.py)
     output_gradient_norms: Callable[[], dict[int, torch.Tensor]] | None = None
+
+    def last_probes(self, rows: int) -> EvictionStep:
+        """This step judged by its last `rows` probes only (all of them if it has no more): a cheaper sample of the
+        same probes, for what needs a sample and not every probe (kl's calibration)."""
+        if rows >= len(self.probe_positions):
+            return self
+        probes = {i: replace(p, query=p.query[:, -rows:], weights=p.weights[:, -rows:], output=p.output[:, -rows:])
+                  for i, p in self.probes.items()}
+        backward = self.backward
+        return replace(self, probes=probes, probe_positions=self.probe_positions[-rows:],
+                       residuals=None if self.residuals is None else self.residuals[-rows:],
+                       logits=None if self.logits is None else self.logits[-rows:],
+                       backward=lambda samples, live: backward(samples, live, rows), output_gradient_norms=None)
 
 
 class Policy:
@@ -75,6 +88,11 @@ class Policy:
         """Learn from one reconstruction probe set (its rows re-read the entries at positions `step.judged`), into
         per-entry state (`LayerCache.extras`) that later `score` calls read."""
         raise NotImplementedError(f"{self.name} does not use reconstruction probes")
+
+    def reads_reconstruction_logits(self) -> bool:
+        """Whether `absorb_reconstruction` reads the re-reading's next-token distributions: when it does not, the
+        re-reading skips them (a vocabulary-sized product per re-read token)."""
+        return False
 
     def observe(self, adapter: ModelAdapter, layer_idx: int, layer: LayerCache, query: torch.Tensor,
                 key: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> None:

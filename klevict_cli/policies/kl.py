@@ -41,15 +41,19 @@ class KL(Policy):
     name = "kl"
     needs_probes = True
     reconstruction = "optional"
+    # Each span is re-read against the sinks and itself only: with the re-reading kept for the question share (not
+    # KL-scored), this cost a fraction of re-reading against the whole cache and was as good or better at 50/20/5 %
+    # kept, 1.2x worse at 10 %, on the tuning windows (docs/research-log.md, "a cheap re-reading")
+    reconstruction_sees = "span"
     EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
     QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
-                 reconstruction_weight: float = 0.01, reconstruction_rank: int = 4, question_share: float = 0.3,
+                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.3,
                  refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0,
-                 question_scores: str = "attention"):
+                 question_scores: str = "attention", calibration_rows: int = 32):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -72,6 +76,9 @@ class KL(Policy):
             raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
         self.refit, self.refit_ridge = refit, refit_ridge
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
+        # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample
+        # of probes, not all 128 drafts (a read kept whole until its last eviction calibrates on drafts).
+        self.calibration_rows = calibration_rows
 
     def reset(self) -> None:
         self.calibration = None  # calibrated on each document's first eviction
@@ -101,6 +108,7 @@ class KL(Policy):
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
                 "question_share": str(self.question_share), "question_scores": self.question_scores,
+                "calibration_rows": str(self.calibration_rows),
                 "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
@@ -163,6 +171,9 @@ class KL(Policy):
         fraction = 1.0 if kept_fraction is None else kept_fraction
         return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** self.reconstruction_power
 
+    def reads_reconstruction_logits(self) -> bool:
+        return self.reconstruction_weight > 0  # the direct readout of the re-reading's KL needs them
+
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         """Add the re-reading's direct-path KL to each judged entry's stored score. Uncalibrated: the calibration
         is learnt from the probes of the first eviction (the text read or drafted, not a re-reading, whose copying
@@ -184,7 +195,9 @@ class KL(Policy):
         scores = self.direct_scores(step, layer_ids)
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
             # changes nothing inside a layer, so only global allocation needs it
-            self.calibration = calibration_ratios(scores, self.fisher_scores(step, layer_ids), step,
+            sample = step.last_probes(self.calibration_rows)
+            direct = scores if sample is step else self.direct_scores(sample, layer_ids)
+            self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
