@@ -84,11 +84,16 @@ def forward_context(ctx: ForwardContext):
         _current.reset(token)
 
 
-def attention_mask(cache_layer, query_positions: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """(H_kv, T, C) bool: which cached entries each query may attend to (of the `visible` ones, default valid)."""
-    kpos = cache_layer.rope_positions[:, None, :]
+def attention_mask(cache_layer, query_positions: torch.Tensor, visible: torch.Tensor | None = None,
+                   columns: torch.Tensor | None = None) -> torch.Tensor:
+    """(H_kv, T, C) bool: which cached entries each query may attend to (of the `visible` ones, default valid);
+    with `columns` (H_kv, n), over those columns only: (H_kv, T, n)."""
+    kpos, seen = cache_layer.rope_positions, cache_layer.valid if visible is None else visible
+    if columns is not None:
+        kpos, seen = kpos.gather(1, columns), seen.gather(1, columns)
+    kpos = kpos[:, None, :]
     qpos = query_positions[None, :, None]
-    allowed = (cache_layer.valid if visible is None else visible)[:, None, :] & (kpos <= qpos)
+    allowed = seen[:, None, :] & (kpos <= qpos)
     if cache_layer.window is not None:
         allowed &= kpos > qpos - cache_layer.window
     return allowed
@@ -126,11 +131,12 @@ def _attend_past_then_chunk(query, k, v, past_valid, groups, scaling):
     return past_out * past_weight + chunk_out * (1 - past_weight), total
 
 
-def _gather_past(k, v, past_visible, groups, t):
-    """Keys and values (1, Hq, ·, D) cut to each head's visible past entries (left-aligned, padded) followed by the
-    chunk's own `t`, and which of the gathered past columns are real (H_kv, n)."""
+def _gather_past(k, v, past_visible, t):
+    """Keys and values (1, H_kv, ·, D) cut to each head's visible past entries (left-aligned, padded) followed by
+    the chunk's own `t`, and which of the gathered past columns are real (H_kv, n). Gathered per KV head, before
+    any copy per query head: a re-reading sees a few hundred of the cache's thousands of entries."""
     columns, present = mask_columns(past_visible)
-    index = columns.repeat_interleave(groups, dim=0)[None, :, :, None]
+    index = columns[None, :, :, None]
     past = k.shape[2] - t
     k = torch.cat([k[:, :, :past].gather(2, index.expand(-1, -1, -1, k.shape[-1])), k[:, :, past:]], dim=2)
     v = torch.cat([v[:, :, :past].gather(2, index.expand(-1, -1, -1, v.shape[-1])), v[:, :, past:]], dim=2)
@@ -173,11 +179,11 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     lse = None
     visible = ctx.visible(layer)
     if _can_split(layer, query, value):
-        k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-        v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-        past_visible = visible[:, : key.shape[2] - query.shape[2]]
+        k, v, past_visible = key, value, visible[:, : key.shape[2] - query.shape[2]]
         if ctx.attend_entries is not None:  # attend to the few visible past entries only: gather them
-            k, v, past_visible = _gather_past(k, v, past_visible, groups, query.shape[2])
+            k, v, past_visible = _gather_past(k, v, past_visible, query.shape[2])
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out, lse = _attend_past_then_chunk(query, k, v, past_visible, groups, scaling)
     else:
         out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions, visible), scaling)
@@ -205,11 +211,11 @@ def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -
     # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
     rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(q.shape[0], w, -1) * scaling
-    allowed = attention_mask(layer, ctx.query_positions[-w:], visible)
+    allowed = attention_mask(layer, ctx.query_positions[-w:], visible, columns)
     if columns is None:
         weights = logits.masked_fill(~allowed.repeat_interleave(groups, dim=0), float("-inf")).softmax(dim=-1)
     else:
-        allowed = allowed.gather(2, columns[:, None, :].expand(-1, w, -1)) & present[:, None, :]
+        allowed = allowed & present[:, None, :]
         weights = (logits - lse[0, :, -w:, None].float()).exp()
         weights = weights.masked_fill(~allowed.repeat_interleave(groups, dim=0), 0.0)
     return LayerProbe(query=q, weights=weights, output=out[0, :, -w:], columns=columns, present=present)
