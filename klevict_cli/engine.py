@@ -244,9 +244,9 @@ class Engine:
             if layer.window is not None and layer.capacity > layer.window:
                 layer.keep(layer.rope_positions > stream.next_rope - layer.window)
 
-    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor | None, w: int, final: bool = False,
-                      judged: tuple[int, int] | None = None, budget: int | None = None, appended: int = 0
-                      ) -> EvictionStep:
+    def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor | None, w: int,
+                      final: bool = False, judged: tuple[int, int] | None = None, budget: int | None = None,
+                      appended: int = 0) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
