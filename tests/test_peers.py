@@ -165,6 +165,12 @@ def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_que
         plain = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
     lifted = sum(int(((got[i] - plain[i]) > 0)[stream.cache.layers[i].valid].sum()) for i in layers)
     assert lifted == int(kl.question_share * 20 * sum(layer.valid.shape[0] for layer in stream.cache.layers))
+    # a share decided by the re-reading's KL still needs it scored, whatever the weight
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.0, question_scores="kl"),
+                    budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert all(KL.EXTRA in layer.extras for layer in stream.cache.layers)
 
 
 def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):

@@ -172,13 +172,16 @@ class KL(Policy):
         return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** self.reconstruction_power
 
     def reads_reconstruction_logits(self) -> bool:
-        return self.reconstruction_weight > 0  # the direct readout of the re-reading's KL needs them
+        """The re-reading is KL-scored (its direct readout needs the logits) only where its KL counts: weighted in,
+        or deciding the question share."""
+        return self.reconstruction_weight > 0 or (self.question_share > 0 and self.question_scores == "kl")
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
-        """Add the re-reading's direct-path KL to each judged entry's stored score. Uncalibrated: the calibration
-        is learnt from the probes of the first eviction (the text read or drafted, not a re-reading, whose copying
-        queries weigh heads differently) and applied when the stored scores are used."""
-        if self.reconstruction_weight > 0:  # weight 0: the re-reading's KL would never count; skip its scoring
+        """Store, per judged entry, what the re-reading of its span learnt: KVzip's score (the most attention it paid
+        the entry) for the question share, and where it counts the re-reading's direct-path KL. The KL is stored
+        uncalibrated: the calibration is learnt from the probes of the first eviction (the text read or drafted, not
+        a re-reading, whose copying queries weigh heads differently) and applied when the stored scores are used."""
+        if self.reads_reconstruction_logits():
             for i, s in self.direct_scores(step, layer_ids, self.reconstruction_rank).items():
                 layer = step.cache.layers[i]
                 layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + s.float()
