@@ -51,7 +51,7 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
-                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.3,
+                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.6,
                  refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0,
                  question_scores: str = "attention", calibration_rows: int = 32):
         self.propagation = propagation
@@ -66,8 +66,8 @@ class KL(Policy):
         self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         # Of the budget, kept for the entries the re-reading needs most (only where there was a re-reading, as in
-        # `compress`): 0.3 by KVzip's score kept 10/40 needles at 10 % against 1/40 without, and lowered the
-        # continuation's KL 0.66-0.87x at 20/10/5 % on the tuning windows (docs/research-log.md).
+        # `compress`): on the tuning haystacks, 0.6 by KVzip's score kept 7/40 needles at 10 % where 0.3 kept 0-1/40
+        # (and 1.0 1-3/40), with the continuation's KL 1.1x / 0.88x / 1.0x 0.3's at 20/10/5 % (docs/research-log.md).
         self.question_share = question_share
         if question_scores not in ("kl", "attention"):
             raise ValueError(f"question_scores must be 'kl' or 'attention', not {question_scores!r}")
