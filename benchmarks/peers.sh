@@ -2,12 +2,13 @@
 # The peer comparison of docs/benchmarks.md, on 4,096-token contexts of two public-domain texts: kl (as summarize reads)
 # and kl-reconstruct (as compress reads) against the strongest peers at 50/20/10/5 % kept; then needle retrieval at
 # 20/10 % in 2,048-token haystacks, kl's two readings and kvzip (in 4,096-token ones the default model answers 1 of 8
-# planted facts even from the full cache). The peers and klevict's own methods run separately (the peers take most of
-# the time and do not change when kl does), each resumable (--resume: a stopped run keeps its windows; run again to go
-# on), and are merged on the windows both measured. Raw results go to benchmarks/results/.
-# Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,needle]
+# planted facts even from the full cache). The peers, kl and kl-reconstruct run separately (the peers take most of
+# the time and do not change when kl does; a setting used only where the document is re-read changes kl-reconstruct
+# alone), each resumable (--resume: a stopped run keeps its windows; run again to go on), and are merged on the
+# windows all measured. Raw results go to benchmarks/results/.
+# Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,kl-reconstruct,needle]
 set -euo pipefail
-moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=${5:-peers,kl,needle}
+moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=,${5:-peers,kl,kl-reconstruct,needle},
 here=$(dirname "$0"); out=$here/results
 mkdir -p "$out/parts"
 fidelity() {  # NAME TEXT METHODS PART
@@ -16,18 +17,19 @@ fidelity() {  # NAME TEXT METHODS PART
 }
 for pair in "moby:$moby" "hamlet:$hamlet"; do
   name=${pair%%:*}; text=${pair#*:}
-  [[ $parts == *peers* ]] && fidelity "$name" "$text" kvgrad,kvzip,expected_attention,observed_attention peers
-  [[ $parts == *kl* ]] && fidelity "$name" "$text" kl,kl-reconstruct kl
-  if [[ -f $out/parts/peers-$name-4k.json && -f $out/parts/kl-$name-4k.json ]]; then
-    python "$here/merge_results.py" "$out/parts/kl-$name-4k.json" "$out/parts/peers-$name-4k.json" \
-      -o "$out/peers-$name-4k.json"
+  [[ $parts == *,peers,* ]] && fidelity "$name" "$text" kvgrad,kvzip,expected_attention,observed_attention peers
+  [[ $parts == *,kl,* ]] && fidelity "$name" "$text" kl kl
+  [[ $parts == *,kl-reconstruct,* ]] && fidelity "$name" "$text" kl-reconstruct kl-reconstruct
+  inputs=("$out/parts/kl-$name-4k.json" "$out/parts/kl-reconstruct-$name-4k.json" "$out/parts/peers-$name-4k.json")
+  if [[ -f ${inputs[0]} && -f ${inputs[1]} && -f ${inputs[2]} ]]; then
+    python "$here/merge_results.py" "${inputs[@]}" -o "$out/peers-$name-4k.json"
   fi
 done
 needle() {  # METHODS PART
   klevict bench "$moby" --task needle --methods "$1" --budgets 20%,10% --windows "$haystacks" \
     --needles 4 --context 2048 --seed 0 --quiet --resume --out "$out/parts/needle-$2-moby-2k.json" > /dev/null
 }
-if [[ $parts == *needle* ]]; then
+if [[ $parts == *,needle,* ]]; then
   needle kl,kl-reconstruct kl
   needle kvzip peers  # the peer that keeps facts best (kvgrad costs 10-28x a full read)
   python "$here/merge_results.py" "$out/parts/needle-kl-moby-2k.json" "$out/parts/needle-peers-moby-2k.json" \
