@@ -131,10 +131,11 @@ class Engine:
             if head_cap is not None:  # compact positions: what is held while reading must fit them too
                 working = min(working, head_cap)
             self.working = max(working, self.budget + chunk_size)
-        self.drafts = Drafts(policy.lookahead) if policy.needs_probes and policy.lookahead else None
         if policy.reconstruction == "required" and reconstruction is None:
             raise ValueError(f"{policy.name} judges entries by reconstruction probes: pass a reconstruction source")
         self.reconstruction = reconstruction if policy.reconstruction != "never" else None
+        drafts = policy.draft_count(reread=self.reconstruction is not None) if policy.needs_probes else 0
+        self.drafts = Drafts(drafts) if drafts else None
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)

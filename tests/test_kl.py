@@ -29,15 +29,16 @@ def test_removing_one_entry_changes_the_head_output_by_the_closed_form():
         assert torch.allclose(o_without - o, expected, atol=1e-12)
 
 
+@pytest.mark.parametrize("block_bytes", [None, 400])  # 400 bytes: blocks of 2 entries, the last one ragged
 @pytest.mark.parametrize("fold_probes", [False, True])
-def test_kl_kernel_matches_a_brute_force_loop(fold_probes):
+def test_kl_kernel_matches_a_brute_force_loop(fold_probes, block_bytes):
     torch.manual_seed(1)
     hq, hkv, w, c, d, r = 4, 2, 3, 7, 5, 2
     weights = torch.rand(hq, w, c, dtype=torch.float64).softmax(-1)
     outputs = torch.randn(hq, w, d, dtype=torch.float64)
     values = torch.randn(hkv, c, d, dtype=torch.float64)
     readout = torch.randn(w, r, hq, d, dtype=torch.float64)
-    got = kl_scores(weights, outputs, values, readout, hkv, fold_probes=fold_probes)
+    got = kl_scores(weights, outputs, values, readout, hkv, fold_probes=fold_probes, block_bytes=block_bytes)
     groups = hq // hkv
     for g in range(hkv):
         for j in range(c):

@@ -149,6 +149,21 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
 
 
+def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
+    """With a re-reading, `reread_drafts` of the look-ahead is sampled (the question share is the re-reading's);
+    without one, all of it. The drafts are forgotten either way."""
+    ids = torch.randint(0, 300, (90,)).tolist()
+    for source, drafted in ((reconstruction(), 4), (None, 8)):
+        policy = KL(lookahead=8, reread_drafts=0.5)
+        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=32, probe_window=8,
+                        reconstruction=source)
+        assert engine.drafts.count == drafted
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        assert stream.tokens == ids and engine.held_per_head(stream) == 20
+    assert KL(lookahead=0).draft_count(reread=True) == 0
+
+
 def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_questions_need(model):
     """reconstruction_weight=0: the re-reading's KL would never count, so it is not computed (the costly part of a
     re-reading's scoring); KVzip's score of it is, and the question share still lifts its top entries."""

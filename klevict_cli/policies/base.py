@@ -72,6 +72,10 @@ class Policy:
     refit_ridge: float = 0.1
     observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
 
+    def draft_count(self, reread: bool) -> int:
+        """How many look-ahead drafts probe the read's last eviction; `reread`: the document is re-read too."""
+        return self.lookahead
+
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:
         """Per-layer budgets for uniform allocation (None: `budget` everywhere). PyramidKV-style policies override."""
         return None

@@ -35,6 +35,7 @@ from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconst
 
 RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
 STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores' work tensor, on a CPU / a GPU
+BLOCK_BYTES = {False: 2 << 20, True: None}  # kl_scores' blocks of entries, on a CPU / a GPU (kernels/kl.py)
 
 
 class KL(Policy):
@@ -45,12 +46,16 @@ class KL(Policy):
     # KL-scored), this cost a fraction of re-reading against the whole cache and was as good or better at 50/20/5 %
     # kept, 1.2x worse at 10 %, on the tuning windows (docs/research-log.md, "a cheap re-reading")
     reconstruction_sees = "span"
+    # Spans of 256 rather than 128: fewer repeat instructions to read (about 4,300 tokens re-read for a 4,096-token
+    # document instead of 4,950) in larger forwards; with 64 drafts (`reread_drafts`) they cut `compress`'s cost
+    # by about 0.3-0.5x a read at the same KL on the tuning windows (docs/research-log.md)
+    reconstruction_span = 256
     EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
     QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 128,
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 128, reread_drafts: float = 0.5,
                  reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.6,
                  refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0,
                  question_scores: str = "attention", calibration_rows: int = 32):
@@ -63,6 +68,9 @@ class KL(Policy):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         self.lookahead = lookahead
+        # Of those drafts, the part sampled when the document is also re-read: the drafts then decide less of the
+        # budget (the question share is the re-reading's), and half as many kept the same KL on the tuning windows
+        self.reread_drafts = reread_drafts
         self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         # Of the budget, kept for the entries the re-reading needs most (only where there was a re-reading, as in
@@ -104,12 +112,16 @@ class KL(Policy):
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
-                "lookahead": str(self.lookahead), "reconstruction_weight": str(self.reconstruction_weight),
+                "lookahead": str(self.lookahead), "reread_drafts": str(self.reread_drafts),
+                "reconstruction_weight": str(self.reconstruction_weight),
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
                 "question_share": str(self.question_share), "question_scores": self.question_scores,
                 "calibration_rows": str(self.calibration_rows),
                 "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
+
+    def draft_count(self, reread: bool) -> int:
+        return round(self.lookahead * self.reread_drafts) if reread else self.lookahead
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
@@ -244,7 +256,8 @@ class KL(Policy):
             c = weights.shape[-1]
             scores[lo : lo + n, :, :c] = kl_scores(
                 weights.view(n * hq, w, c), outputs.view(n * hq, w, -1), values.view(n * kv, c, -1),
-                readout[:, :, lo * hq : (lo + n) * hq], n * kv, fold_probes=fold_probes).view(n, kv, c)
+                readout[:, :, lo * hq : (lo + n) * hq], n * kv, fold_probes=fold_probes,
+                block_bytes=BLOCK_BYTES[device.type == "cuda"]).view(n, kv, c)
         return Stacked(scores, layer_ids, [layer.capacity for layer in layers])
 
     def entry_scores(self, step: EvictionStep, i: int, readout: torch.Tensor, fold_probes: bool = False
@@ -254,7 +267,8 @@ class KL(Policy):
         probe, layer = step.probes[i], step.cache.layers[i]
         kv_heads = layer.keys.shape[0]
         if step.judged is None and probe.columns is None:
-            return kl_scores(probe.weights, probe.output, layer.values, readout, kv_heads, fold_probes=fold_probes)
+            return kl_scores(probe.weights, probe.output, layer.values, readout, kv_heads, fold_probes=fold_probes,
+                             block_bytes=BLOCK_BYTES[layer.values.device.type == "cuda"])
         columns, present = probe.entries(layer)
         weights = probe.weights
         if probe.columns is None:  # a full attention map: gather the judged columns first
@@ -265,7 +279,8 @@ class KL(Policy):
         values = layer.values  # (H_kv, C, Dv), or per query head for MLA
         index = columns.repeat_interleave(values.shape[0] // kv_heads, dim=0)
         values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
-        scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes) * judged
+        scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes,
+                           block_bytes=BLOCK_BYTES[values.device.type == "cuda"]) * judged
         return spread(layer, columns, scores)
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
