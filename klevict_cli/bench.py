@@ -493,6 +493,9 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     out["complete"] = False
     if resume is not None:
         check_resumable(resume, out["settings"])
+        if resume.get("complete") and all(resume.get(task, {}).get("windows_done", 0) >= settings.windows
+                                          for task in tasks):
+            return resume  # nothing left to measure: the saved run as it is (not re-dated, not marked resumed)
         out["settings"]["resumed_from"] = resume["settings"].get("resumed_from", []) + [
             {"created": resume["settings"]["created"], "machine": resume["settings"]["machine"],
              **{task: resume[task]["windows_done"] for task in TASKS if task in resume}}]

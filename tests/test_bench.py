@@ -299,6 +299,12 @@ def test_a_resumed_run_keeps_the_saved_windows_and_measures_the_rest(session, do
     assert resumed["fidelity"]["windows_done"] == SETTINGS["windows"]
 
 
+def test_resuming_a_finished_run_leaves_it_as_it_was(session, document, result):
+    """Nothing left to measure: the saved run comes back unchanged, not re-dated or marked as resumed."""
+    saved = json.loads(json.dumps(result))
+    assert run_bench(session, document, BenchSettings(**SETTINGS), resume=saved) == json.loads(json.dumps(result))
+
+
 def test_resume_refuses_a_run_that_measured_something_else(session, document, result):
     saved = json.loads(json.dumps(result))
     with pytest.raises(UsageError, match="other settings.*context"):
