@@ -42,7 +42,6 @@ def kl_scores(
     """
     hq, w, c = weights.shape
     r = readout.shape[1]
-    groups = hq // kv_heads
     dtype = readout.dtype
     e = readout.permute(2, 0, 1, 3)  # (Hq, W, R, Dv)
     e_o = torch.einsum("hwrd,hwd->hwr", e, outputs.to(dtype))  # (Hq, W, R)

@@ -38,6 +38,11 @@ STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores
 BLOCK_BYTES = {False: 2 << 20, True: None}  # kl_scores' blocks of entries, on a CPU / a GPU (kernels/kl.py)
 
 
+def block_bytes(t: torch.Tensor) -> int | None:
+    """kl_scores' block size for tensors on `t`'s device."""
+    return BLOCK_BYTES[t.device.type == "cuda"]
+
+
 class KL(Policy):
     name = "kl"
     needs_probes = True
@@ -257,7 +262,7 @@ class KL(Policy):
             scores[lo : lo + n, :, :c] = kl_scores(
                 weights.view(n * hq, w, c), outputs.view(n * hq, w, -1), values.view(n * kv, c, -1),
                 readout[:, :, lo * hq : (lo + n) * hq], n * kv, fold_probes=fold_probes,
-                block_bytes=BLOCK_BYTES[device.type == "cuda"]).view(n, kv, c)
+                block_bytes=block_bytes(weights)).view(n, kv, c)
         return Stacked(scores, layer_ids, [layer.capacity for layer in layers])
 
     def entry_scores(self, step: EvictionStep, i: int, readout: torch.Tensor, fold_probes: bool = False
@@ -268,7 +273,7 @@ class KL(Policy):
         kv_heads = layer.keys.shape[0]
         if step.judged is None and probe.columns is None:
             return kl_scores(probe.weights, probe.output, layer.values, readout, kv_heads, fold_probes=fold_probes,
-                             block_bytes=BLOCK_BYTES[layer.values.device.type == "cuda"])
+                             block_bytes=block_bytes(layer.values))
         columns, present = probe.entries(layer)
         weights = probe.weights
         if probe.columns is None:  # a full attention map: gather the judged columns first
@@ -280,7 +285,7 @@ class KL(Policy):
         index = columns.repeat_interleave(values.shape[0] // kv_heads, dim=0)
         values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
         scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes,
-                           block_bytes=BLOCK_BYTES[values.device.type == "cuda"]) * judged
+                           block_bytes=block_bytes(values)) * judged
         return spread(layer, columns, scores)
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
