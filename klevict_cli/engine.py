@@ -134,8 +134,6 @@ class Engine:
         if policy.reconstruction == "required" and reconstruction is None:
             raise ValueError(f"{policy.name} judges entries by reconstruction probes: pass a reconstruction source")
         self.reconstruction = reconstruction if policy.reconstruction != "never" else None
-        drafts = policy.draft_count(reread=self.reconstruction is not None) if policy.needs_probes else 0
-        self.drafts = Drafts(drafts) if drafts else None
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
@@ -194,14 +192,14 @@ class Engine:
             upcoming = 0 if final else min(self.chunk_size, len(ids) - starts[n + 1])
             must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
-            drafted = final and self.drafts is not None
-            rows = recent if must_evict and self.policy.needs_probes and not drafted else 0
+            drafts = self.draft_count(stream.next_position + len(chunk)) if final and must_evict else 0
+            rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows)
             if must_evict:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
-                if drafted:
-                    self.evict_with(stream, self.drafts.probe_sets(self, stream, logits[-1]), recent, final=True)
+                if drafts:
+                    self.evict_with(stream, Drafts(drafts).probe_sets(self, stream, logits[-1]), recent, final=True)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final)
             elif evict:
@@ -212,6 +210,13 @@ class Engine:
             raise ValueError("nothing to read")
         stream.policy_state = self.policy.state()
         return logits[-1]
+
+    def draft_count(self, read: int) -> int:
+        """How many look-ahead drafts probe the read's last eviction, once `read` tokens are read (the policy's
+        choice, from whether the document is re-read and what part of it the budget keeps)."""
+        if not self.policy.needs_probes or self.budget is None:
+            return 0
+        return self.policy.draft_count(self.reconstruction is not None, min(1.0, self.budget / max(1, read)))
 
     def recent_window(self, chunk_len: int) -> int:
         """The last tokens read: they are the probes and are always kept (at most half the budget)."""
@@ -284,7 +289,7 @@ class Engine:
         scored = self._scored_layers(stream)
         step = self.eviction_step(stream, ctx, logits, w, final, budget=budget)
         scores = self.policy.score_layers(step, list(scored))
-        self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, final))
+        self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, step))
 
     def kept_fraction(self, stream: Stream, budget: int | None, appended: int = 0) -> float | None:
         """What part of the tokens read so far the eviction keeps (not counting `appended` probe tokens)."""
@@ -305,22 +310,22 @@ class Engine:
                                       appended=probe_set.appended)
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
-            targets.append(self.refit_targets(stream, probe_set.ctx, final, dict(zip(held.layer_ids, held.widths))))
+            targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
             self.forget_drafts(stream, probe_set.appended)
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
         self._keep_best(stream, held.split(total), recent, budget, targets=_stack_rows(targets), stack=held)
 
-    def refit_targets(self, stream: Stream, ctx: ForwardContext, final: bool, held: dict[int, int] | None = None
+    def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:
         """What the kept values are refit to (kernels/refit.py), from the probes of `ctx`, when the policy asks for it
-        (`Policy.refit`: at the read's last eviction, or at every one):
+        at this eviction `step` (`Policy.refits`: e.g. at the read's last eviction):
         per scored layer, the probes' attention over the `held` first columns (default: all), their head outputs,
         and the part of those outputs from the columns beyond (the probes' own appended tokens, about to be
         forgotten). Empty when the probes saw only some entries, or the cache's values are not what heads attend
         over (MLA's latent)."""
-        wanted = self.policy.refit == "always" or (final and self.policy.refit == "final")
+        wanted = self.policy.refits(step.final, step.kept_fraction, reread=self.reconstruction is not None)
         if not wanted or self.adapter.scoring_view(stream.cache) is not stream.cache:
             return {}
         out = {}

@@ -8,6 +8,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapters import adapter_for
 from klevict_cli.engine import Engine, plan_positions
+from klevict_cli.probes import Drafts
 from klevict_cli.sampling import sample_rows
 from klevict_cli.errors import ResourceError
 from klevict_cli.policies import make_policy
@@ -254,7 +255,7 @@ def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
     stream = engine.new_stream()
     logits = engine.feed(stream, ids)
     engine.budget = 70  # room for every entry: the eviction runs, drafts and all, and keeps everything
-    engine.evict_with(stream, engine.drafts.probe_sets(engine, stream, logits), recent=8, final=True)
+    engine.evict_with(stream, Drafts(8).probe_sets(engine, stream, logits), recent=8, final=True)
     assert stream.tokens == ids and stream.next_rope == 70
     got = engine.feed(stream, question, evict=False)
     assert (got - expected).abs().max().item() <= 1e-4

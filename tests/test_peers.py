@@ -150,18 +150,31 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
 
 
 def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
-    """With a re-reading, `reread_drafts` of the look-ahead is sampled (the question share is the re-reading's);
-    without one, all of it. The drafts are forgotten either way."""
+    """With a re-reading, `reread_drafts` of the look-ahead is sampled (the question share is the re-reading's), and
+    only where the last choice keeps at most `reread_drafts_up_to` of the document; without one, all of it,
+    whatever is kept. The drafts are forgotten either way."""
     ids = torch.randint(0, 300, (90,)).tolist()
-    for source, drafted in ((reconstruction(), 4), (None, 8)):
-        policy = KL(lookahead=8, reread_drafts=0.5)
-        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=32, probe_window=8,
+    for source, budget, drafted in ((reconstruction(), 12, 4), (reconstruction(), 20, 0), (None, 20, 8)):
+        policy = KL(lookahead=8, reread_drafts=0.5, reread_drafts_up_to=0.15)
+        engine = Engine(model, adapter_for(model), policy, budget=budget, chunk_size=32, probe_window=8,
                         reconstruction=source)
-        assert engine.drafts.count == drafted
+        assert engine.draft_count(len(ids)) == drafted
+        appended = []
+        forward = engine.forward
+        engine.forward = lambda stream, chunk, **kw: appended.append(len(chunk)) or forward(stream, chunk, **kw)
         stream = engine.new_stream()
         engine.feed(stream, ids)
-        assert stream.tokens == ids and engine.held_per_head(stream) == 20
-    assert KL(lookahead=0).draft_count(reread=True) == 0
+        assert (drafted in appended) == (drafted > 0)  # the drafts' forwards, each of `drafted` tokens
+        assert stream.tokens == ids and engine.held_per_head(stream) == budget
+    assert KL(lookahead=0).draft_count(reread=True, kept_fraction=0.1) == 0
+
+
+def test_kl_refits_without_a_re_reading_only_where_it_keeps_little():
+    policy = KL(refit="final", refit_up_to=0.15)
+    assert policy.refits(final=True, kept_fraction=0.1, reread=False)
+    assert not policy.refits(final=True, kept_fraction=0.2, reread=False)
+    assert policy.refits(final=True, kept_fraction=0.5, reread=True)
+    assert not policy.refits(final=False, kept_fraction=0.1, reread=True)
 
 
 def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_questions_need(model):

@@ -72,9 +72,15 @@ class Policy:
     refit_ridge: float = 0.1
     observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
 
-    def draft_count(self, reread: bool) -> int:
-        """How many look-ahead drafts probe the read's last eviction; `reread`: the document is re-read too."""
+    def draft_count(self, reread: bool, kept_fraction: float) -> int:
+        """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of what was read;
+        `reread`: the document is re-read too."""
         return self.lookahead
+
+    def refits(self, final: bool, kept_fraction: float | None, reread: bool) -> bool:
+        """Whether an eviction (the read's `final` one or not) that keeps `kept_fraction` of what was read refits
+        the kept values (`refit`); `reread`: the document is re-read too."""
+        return self.refit == "always" or (final and self.refit == "final")
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:
         """Per-layer budgets for uniform allocation (None: `budget` everywhere). PyramidKV-style policies override."""

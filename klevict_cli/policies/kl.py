@@ -61,8 +61,9 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128, reread_drafts: float = 0.5,
-                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.6,
-                 refit: str = "final", refit_ridge: float = 0.1, reconstruction_power: float = 4.0,
+                 reread_drafts_up_to: float = 0.15, reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.6,
+                 refit: str = "final", refit_ridge: float = 0.1, refit_up_to: float = 0.15,
+                 reconstruction_power: float = 4.0,
                  question_scores: str = "attention", calibration_rows: int = 32):
         self.propagation = propagation
         self.allocation = allocation
@@ -76,6 +77,10 @@ class KL(Policy):
         # Of those drafts, the part sampled when the document is also re-read: the drafts then decide less of the
         # budget (the question share is the re-reading's), and half as many kept the same KL on the tuning windows
         self.reread_drafts = reread_drafts
+        # ... and only where the read's last choice keeps at most this part of the document: above it the question
+        # share and the refit to the last tokens read did nearly as well (1.1-1.4x the KL at 20/50 %, still far
+        # below KVgrad's at 50 % on the tuning windows) for about 0.3x a read less (docs/research-log.md)
+        self.reread_drafts_up_to = reread_drafts_up_to
         self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         # Of the budget, kept for the entries the re-reading needs most (only where there was a re-reading, as in
@@ -88,6 +93,10 @@ class KL(Policy):
         if refit not in ("never", "final", "always"):
             raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
         self.refit, self.refit_ridge = refit, refit_ridge
+        # Without a re-reading, refit only where the read's last choice keeps at most this part of the document: the
+        # refit's Gram products grow with the kept entries and cost about 0.1x a read at 20-50 % kept, for 3-4 % less
+        # KL there (5-12 % at 10/5 %); with a re-reading it is worth 1.6-1.7x at 20-50 % and always runs
+        self.refit_up_to = refit_up_to
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
         # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample
         # of probes, not all 128 drafts (a read kept whole until its last eviction calibrates on drafts).
@@ -118,6 +127,7 @@ class KL(Policy):
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
                 "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
                 "lookahead": str(self.lookahead), "reread_drafts": str(self.reread_drafts),
+                "reread_drafts_up_to": str(self.reread_drafts_up_to), "refit_up_to": str(self.refit_up_to),
                 "reconstruction_weight": str(self.reconstruction_weight),
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
@@ -125,8 +135,14 @@ class KL(Policy):
                 "calibration_rows": str(self.calibration_rows),
                 "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
-    def draft_count(self, reread: bool) -> int:
-        return round(self.lookahead * self.reread_drafts) if reread else self.lookahead
+    def draft_count(self, reread: bool, kept_fraction: float) -> int:
+        if not reread:
+            return self.lookahead
+        return round(self.lookahead * self.reread_drafts) if kept_fraction <= self.reread_drafts_up_to else 0
+
+    def refits(self, final: bool, kept_fraction: float | None, reread: bool) -> bool:
+        fraction = 0.0 if kept_fraction is None else kept_fraction
+        return super().refits(final, kept_fraction, reread) and (reread or fraction <= self.refit_up_to)
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
         return self.score_layers(step, [layer_idx])[layer_idx]
