@@ -6,14 +6,31 @@
 # the time and do not change when kl does; a setting used only where the document is re-read changes kl-reconstruct
 # alone), each resumable (--resume: a stopped run keeps its windows; run again to go on), and are merged on the
 # windows all measured. Raw results go to benchmarks/results/.
+# With RERUN=BUDGETS (e.g. RERUN=50%,20%), the parts named are measured at those budgets only, into `-rerun` part files
+# that supersede the same budgets of the full parts when merged: for a change that acts only at those budgets.
 # Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,kl-reconstruct,needle]
 set -euo pipefail
 moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=,${5:-peers,kl,kl-reconstruct,needle},
 here=$(dirname "$0"); out=$here/results
 mkdir -p "$out/parts"
+rerun=${RERUN:+-rerun}
+only() {  # BUDGETS: the budgets measured (RERUN's, if given, where it names some of them)
+  if [[ -z ${RERUN:-} ]]; then echo "$1"; return; fi
+  local b kept=(); for b in ${1//,/ }; do [[ ,$RERUN, == *,$b,* ]] && kept+=("$b"); done
+  (IFS=,; echo "${kept[*]}")
+}
+merged() {  # OUTPUT PART_FILE...: each part after its rerun, if there is one (the rerun's budgets supersede)
+  local output=$1 part inputs=() flags=(); shift
+  for part in "$@"; do
+    if [[ -f ${part%.json}-rerun.json ]]; then inputs+=("${part%.json}-rerun.json"); flags=(--supersede); fi
+    inputs+=("$part")
+  done
+  python "$here/merge_results.py" "${inputs[@]}" -o "$output" "${flags[@]}"
+}
 fidelity() {  # NAME TEXT METHODS PART
-  klevict bench "$2" --methods "$3" --budgets 50%,20%,10%,5% --windows "$windows" --context 4096 --seed 0 --quiet \
-    --resume --out "$out/parts/$4-$1-4k.json" > /dev/null
+  local budgets; budgets=$(only 50%,20%,10%,5%); [[ -n $budgets ]] || return 0
+  klevict bench "$2" --methods "$3" --budgets "$budgets" --windows "$windows" --context 4096 --seed 0 \
+    --quiet --resume --out "$out/parts/$4-$1-4k$rerun.json" > /dev/null
 }
 for pair in "moby:$moby" "hamlet:$hamlet"; do
   name=${pair%%:*}; text=${pair#*:}
@@ -22,16 +39,16 @@ for pair in "moby:$moby" "hamlet:$hamlet"; do
   [[ $parts == *,kl-reconstruct,* ]] && fidelity "$name" "$text" kl-reconstruct kl-reconstruct
   inputs=("$out/parts/kl-$name-4k.json" "$out/parts/kl-reconstruct-$name-4k.json" "$out/parts/peers-$name-4k.json")
   if [[ -f ${inputs[0]} && -f ${inputs[1]} && -f ${inputs[2]} ]]; then
-    python "$here/merge_results.py" "${inputs[@]}" -o "$out/peers-$name-4k.json"
+    merged "$out/peers-$name-4k.json" "${inputs[@]}"
   fi
 done
 needle() {  # METHODS PART
-  klevict bench "$moby" --task needle --methods "$1" --budgets 20%,10% --windows "$haystacks" \
-    --needles 4 --context 2048 --seed 0 --quiet --resume --out "$out/parts/needle-$2-moby-2k.json" > /dev/null
+  local budgets; budgets=$(only 20%,10%); [[ -n $budgets ]] || return 0
+  klevict bench "$moby" --task needle --methods "$1" --budgets "$budgets" --windows "$haystacks" \
+    --needles 4 --context 2048 --seed 0 --quiet --resume --out "$out/parts/needle-$2-moby-2k$rerun.json" > /dev/null
 }
 if [[ $parts == *,needle,* ]]; then
   needle kl,kl-reconstruct kl
   needle kvzip peers  # the peer that keeps facts best (kvgrad costs 10-28x a full read)
-  python "$here/merge_results.py" "$out/parts/needle-kl-moby-2k.json" "$out/parts/needle-peers-moby-2k.json" \
-    -o "$out/needle-moby-2k.json"
+  merged "$out/needle-moby-2k.json" "$out/parts/needle-kl-moby-2k.json" "$out/parts/needle-peers-moby-2k.json"
 fi

@@ -16,20 +16,22 @@ merge_results = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(merge_results)
 
 
-def run(methods: dict[str, list[float]], windows: int, offsets=(5, 9, 13)) -> dict:
-    """A fidelity result in the shape `klevict bench --out` writes, `windows` of them measured."""
-    def row(values):
-        per = {"kl": values[:windows], "seconds": [1.0] * windows}
+def run(methods: dict[str, list[float]], windows: int, offsets=(5, 9, 13), budgets=("10%",)) -> dict:
+    """A fidelity result in the shape `klevict bench --out` writes, `windows` of them measured (every budget with
+    the same numbers, scaled by its position)."""
+    def row(values, scale=1):
+        per = {"kl": [v * scale for v in values[:windows]], "seconds": [1.0] * windows}
         return {"kl": summary(per["kl"]), "seconds": summary(per["seconds"]), "per_window": per}
 
     return {
         "settings": {"model": "m", "model_weights_sha256": "w", "document": {"sha256": "d"}, "seed": 0,
                      "context": 64, "continuation": 8, "chunk_size": 32, "probe_window": 8, "dtype": "float32",
-                     "methods": list(methods), "method_params": {m: {} for m in methods}},
+                     "methods": list(methods), "budgets": list(budgets),
+                     "method_params": {m: {} for m in methods}},
         "complete": windows == len(offsets),
         "fidelity": {"offsets": list(offsets), "windows_done": windows,
                      "full": {"seconds": summary([2.0] * windows), "per_window": {"seconds": [2.0] * windows}},
-                     "results": {m: {"10%": row(v)} for m, v in methods.items()}},
+                     "results": {m: {b: row(v, n + 1) for n, b in enumerate(budgets)} for m, v in methods.items()}},
     }
 
 
@@ -65,3 +67,20 @@ def test_a_document_read_from_another_path_is_the_same_document_another_text_is_
     mine["settings"]["document"]["sha256"] = "e"
     with pytest.raises(SystemExit, match="document differs"):
         merge_results.merge([peers, mine], ["p", "m"])
+
+
+def test_a_rerun_of_some_budgets_supersedes_them_only_when_asked():
+    """A rerun of the generous budgets after a change that acts only there, given first: its budgets stand, the
+    others come from the run it updates, and the provenance says which came from where."""
+    rerun = run({"kl": [0.1, 0.2, 0.3]}, 3, budgets=("50%", "20%"))
+    rerun["settings"]["method_params"]["kl"] = {"refit_up_to": "0.15"}
+    old = run({"kl": [0.4, 0.5, 0.6]}, 3, budgets=("50%", "20%", "10%"))
+    with pytest.raises(SystemExit, match="other numbers"):
+        merge_results.merge([rerun, old], ["rerun.json", "kl.json"])
+    merged = merge_results.merge([rerun, old], ["rerun.json", "kl.json"], supersede=True)
+    rows = merged["fidelity"]["results"]["kl"]
+    assert rows["50%"]["per_window"]["kl"] == [0.1, 0.2, 0.3] and rows["20%"]["per_window"]["kl"] == [0.2, 0.4, 0.6]
+    assert rows["10%"]["per_window"]["kl"] == pytest.approx([1.2, 1.5, 1.8])
+    assert merged["settings"]["budgets"] == ["50%", "20%", "10%"]
+    assert merged["settings"]["merged_from"] == {"rerun.json": ["kl 50%/20%"], "kl.json": ["kl 10%"]}
+    assert merged["settings"]["method_params"]["kl"] == {"refit_up_to": "0.15"}  # the first input's
