@@ -81,6 +81,8 @@ def merge(results: list[dict], names: list[str], supersede: bool = False) -> dic
             cut(out[task], done)
         out["settings"]["methods"] += [m for m in other["settings"]["methods"] if m not in out["settings"]["methods"]]
         out["settings"]["budgets"] += [b for b in other["settings"]["budgets"] if b not in out["settings"]["budgets"]]
+        for budget, tokens in other["settings"].get("budget_tokens", {}).items():
+            out["settings"].setdefault("budget_tokens", {}).setdefault(budget, tokens)
         for method, params in other["settings"]["method_params"].items():
             out["settings"]["method_params"].setdefault(method, params)
         out["complete"] = out.get("complete", True) and other.get("complete", True)

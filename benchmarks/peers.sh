@@ -9,6 +9,7 @@
 # With RERUN=BUDGETS (e.g. RERUN=50%,20%), the parts named are measured at those budgets only, into `-rerun` part files
 # that supersede the same budgets of the full parts when merged: for a change that acts only at those budgets.
 # Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,kl-reconstruct,needle]
+# (the peers' needles run when both peers and needle are named)
 set -euo pipefail
 moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=,${5:-peers,kl,kl-reconstruct,needle},
 here=$(dirname "$0"); out=$here/results
@@ -47,8 +48,10 @@ needle() {  # METHODS PART
   klevict bench "$moby" --task needle --methods "$1" --budgets "$budgets" --windows "$haystacks" \
     --needles 4 --context 2048 --seed 0 --quiet --resume --out "$out/parts/needle-$2-moby-2k$rerun.json" > /dev/null
 }
-if [[ $parts == *,needle,* ]]; then
-  needle kl,kl-reconstruct kl
-  needle kvzip peers  # the peer that keeps facts best (kvgrad costs 10-28x a full read)
+# the needles of kl's two readings with the part `needle`; of the peer that keeps facts best with `peers` (kvgrad
+# costs 10-28x a full read)
+[[ $parts == *,needle,* ]] && needle kl,kl-reconstruct kl
+[[ $parts == *,peers,* && $parts == *,needle,* ]] && needle kvzip peers
+if [[ -f $out/parts/needle-kl-moby-2k.json && -f $out/parts/needle-peers-moby-2k.json ]]; then
   merged "$out/needle-moby-2k.json" "$out/parts/needle-kl-moby-2k.json" "$out/parts/needle-peers-moby-2k.json"
 fi

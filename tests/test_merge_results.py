@@ -27,6 +27,7 @@ def run(methods: dict[str, list[float]], windows: int, offsets=(5, 9, 13), budge
         "settings": {"model": "m", "model_weights_sha256": "w", "document": {"sha256": "d"}, "seed": 0,
                      "context": 64, "continuation": 8, "chunk_size": 32, "probe_window": 8, "dtype": "float32",
                      "methods": list(methods), "budgets": list(budgets),
+                     "budget_tokens": {b: 64 // (n + 2) for n, b in enumerate(budgets)},
                      "method_params": {m: {} for m in methods}},
         "complete": windows == len(offsets),
         "fidelity": {"offsets": list(offsets), "windows_done": windows,
@@ -82,5 +83,6 @@ def test_a_rerun_of_some_budgets_supersedes_them_only_when_asked():
     assert rows["50%"]["per_window"]["kl"] == [0.1, 0.2, 0.3] and rows["20%"]["per_window"]["kl"] == [0.2, 0.4, 0.6]
     assert rows["10%"]["per_window"]["kl"] == pytest.approx([1.2, 1.5, 1.8])
     assert merged["settings"]["budgets"] == ["50%", "20%", "10%"]
+    assert list(merged["settings"]["budget_tokens"]) == ["50%", "20%", "10%"]
     assert merged["settings"]["merged_from"] == {"rerun.json": ["kl 50%/20%"], "kl.json": ["kl 10%"]}
     assert merged["settings"]["method_params"]["kl"] == {"refit_up_to": "0.15"}  # the first input's
