@@ -216,7 +216,7 @@ class Engine:
         choice, from whether the document is re-read and what part of it the budget keeps)."""
         if not self.policy.needs_probes or self.budget is None:
             return 0
-        return self.policy.draft_count(self.reconstruction is not None, min(1.0, self.budget / max(1, read)))
+        return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read))
 
     def recent_window(self, chunk_len: int) -> int:
         """The last tokens read: they are the probes and are always kept (at most half the budget)."""
@@ -264,7 +264,7 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
-            kept_fraction=self.kept_fraction(stream, budget, appended),
+            kept_fraction=self.kept_fraction(stream.next_position - appended, budget),
             budget=self.budget if budget is None else budget,
             backward=lambda samples, live, rows=w: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-rows:],
@@ -291,10 +291,11 @@ class Engine:
         scores = self.policy.score_layers(step, list(scored))
         self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, step))
 
-    def kept_fraction(self, stream: Stream, budget: int | None, appended: int = 0) -> float | None:
-        """What part of the tokens read so far the eviction keeps (not counting `appended` probe tokens)."""
+    def kept_fraction(self, read: int, budget: int | None = None) -> float | None:
+        """What part of `read` tokens (read, not probe tokens appended) an eviction to `budget` (default: the
+        engine's) keeps."""
         budget = self.budget if budget is None else budget
-        return None if budget is None else min(1.0, budget / max(1, stream.next_position - appended))
+        return None if budget is None else min(1.0, budget / max(1, read))
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,

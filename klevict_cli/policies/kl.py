@@ -61,7 +61,8 @@ class KL(Policy):
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
                  calibrate_per: str = "head", probes: str = "live", lookahead: int = 128, reread_drafts: float = 0.5,
-                 reread_drafts_up_to: float = 0.15, reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, question_share: float = 0.6,
+                 reread_drafts_up_to: float = 0.15, reconstruction_weight: float = 0.0, reconstruction_rank: int = 4,
+                 question_share: float = 0.6,
                  refit: str = "final", refit_ridge: float = 0.1, refit_up_to: float = 0.15,
                  reconstruction_power: float = 4.0,
                  question_scores: str = "attention", calibration_rows: int = 32):
