@@ -3,7 +3,7 @@
     python examples/kl_variants.py ../shared/data/moby-dick.txt samples=4 rounds=1 --budgets 20%,10% --seed 2
 
 Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds,
-`working=F` for the working limit (× the budget), `reconstruct=1` for reconstruction probes and `sees=span` /
+`from_read=1` to start the drafts from the read's own predictions, `working=F` for the working limit (× the budget), `reconstruct=1` for reconstruction probes and `sees=span` /
 `span=N` for how they re-read; variants that differ
 in the last two are read in separate bench runs (the same windows).
 The read's last eviction is probed by 64 sampled tokens, and one draft decides a window's result: two runs of the
@@ -51,6 +51,8 @@ def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
                 pass
         if key == "rounds":
             rounds = int(value)
+        elif key == "from_read":
+            kwargs["drafts_from_read"] = bool(value)
         elif key == "working":
             working = float(value)
         elif key == "reconstruct":
@@ -63,6 +65,8 @@ def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
 def register(label: str, kwargs: dict, rounds: int) -> None:
     """A policy class named `label` that is KL(**kwargs) and drafts with `rounds` Jacobi rounds."""
     how = {f"reconstruction_{key}": kwargs.pop(key) for key in ("sees", "span") if key in kwargs}
+    if "drafts_from_read" in kwargs:
+        how["drafts_from_read"] = kwargs.pop("drafts_from_read")
     POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 
@@ -72,7 +76,6 @@ def reseeded_draft(draft_seed: int):
 
     def probe_sets(self, engine, stream, last_logits):
         engine.generator.manual_seed(7919 * draft_seed + len(stream.tokens))
-        self.rounds = getattr(engine.policy, "draft_rounds", DEFAULT_ROUNDS)
         return original(self, engine, stream, last_logits)
 
     return probe_sets

@@ -192,14 +192,16 @@ class Engine:
             upcoming = 0 if final else min(self.chunk_size, len(ids) - starts[n + 1])
             must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
-            drafts = self.draft_count(stream.next_position + len(chunk)) if final and must_evict else 0
+            count = self.draft_count(stream.next_position + len(chunk)) if final and must_evict else 0
+            drafts = Drafts(count, self.policy.draft_rounds, self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
-            logits, ctx = self.forward(stream, chunk, probe_rows=rows)
+            logits, ctx = self.forward(stream, chunk, probe_rows=rows,
+                                       logits_rows=min(drafts.read_rows(), len(chunk)) if drafts else None)
             if must_evict:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
                 if drafts:
-                    self.evict_with(stream, Drafts(drafts).probe_sets(self, stream, logits[-1]), recent, final=True)
+                    self.evict_with(stream, drafts.probe_sets(self, stream, logits), recent, final=True)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final)
             elif evict:

@@ -244,6 +244,28 @@ def test_look_ahead_probes_the_last_eviction_with_drafts_and_forgets_them(model)
     assert engine.held_per_head(stream) == 24
 
 
+@pytest.mark.parametrize("last_chunk, from_read, forwards", [(32, True, 2), (4, True, 3), (32, False, 3)])
+def test_drafts_from_the_read_skip_one_round_where_the_last_chunk_predicted_enough(model, last_chunk, from_read,
+                                                                                   forwards):
+    """`drafts_from_read` (the default): the read's own predictions of its last tokens stand in for the first Jacobi round, so
+    two rounds cost two drafted forwards, not three (the last chunk asks for that many logits rows); a last chunk
+    shorter than the drafts falls back to the full rounds. Either way the drafts are forgotten."""
+    torch.manual_seed(5)
+    ids = torch.randint(0, 300, (64 + last_chunk,)).tolist()
+    policy = KL(lookahead=6)
+    policy.drafts_from_read = from_read
+    engine = Engine(model, adapter_for(model), policy, budget=24, chunk_size=32, probe_window=8, working=0)
+    calls = []
+    forward = engine.forward
+    engine.forward = lambda stream, chunk, **kw: calls.append((len(chunk), kw.get("logits_rows"))) or forward(
+        stream, chunk, **kw)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert calls[2] == (last_chunk, min(6, last_chunk) if from_read else 1)  # the read's last chunk
+    assert [n for n, _ in calls[3:]] == [6] * forwards
+    assert stream.tokens == ids and engine.held_per_head(stream) == 24
+
+
 def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
     """Drafted tokens must leave no trace: with room for everything, the next logits are the full model's."""
     torch.manual_seed(6)

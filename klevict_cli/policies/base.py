@@ -58,6 +58,8 @@ class Policy:
     evicts: bool = True
     allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
     lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (Engine.draft)
+    draft_rounds: int = 2  # the drafts' Jacobi rounds (probes.Drafts)
+    drafts_from_read: bool = True  # the read's own predictions stand in for their first round (probes.Drafts)
     variant: bool = False  # a variant of another method (e.g. kl-fisher): benched only when named
     # Reconstruction probes (probes.Reconstruction): "never" used, "optional" (used when the caller asks, e.g.
     # `compress` with kl), or "required" (kvzip, kvgrad: the method is defined by them).
