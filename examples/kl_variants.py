@@ -74,9 +74,9 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
 def reseeded_draft(draft_seed: int):
     original = probes_module.Drafts.probe_sets
 
-    def probe_sets(self, engine, stream, last_logits):
+    def probe_sets(self, engine, stream, read_logits):
         engine.generator.manual_seed(7919 * draft_seed + len(stream.tokens))
-        return original(self, engine, stream, last_logits)
+        return original(self, engine, stream, read_logits)
 
     return probe_sets
 

@@ -42,9 +42,9 @@ def main() -> None:
     true_text: list[int] | None = None
     drafted = probes.Drafts.probe_sets
 
-    def probe_sets(self, engine, stream, last_logits):  # the drafts, or the true continuation in their place
+    def probe_sets(self, engine, stream, read_logits):  # the drafts, or the true continuation in their place
         if true_text is None:
-            yield from drafted(self, engine, stream, last_logits)
+            yield from drafted(self, engine, stream, read_logits)
             return
         logits, ctx = engine.forward(stream, true_text, probe_rows=len(true_text))
         yield probes.ProbeSet(ctx, logits, len(true_text), len(true_text))
