@@ -57,7 +57,7 @@ class Policy:
     needs_probes: bool = False  # record queries / attention / head outputs at the probe rows
     evicts: bool = True
     allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
-    lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (Engine.draft)
+    lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (probes.Drafts)
     draft_rounds: int = 2  # the drafts' Jacobi rounds (probes.Drafts)
     drafts_from_read: bool = True  # the read's own predictions stand in for their first round (probes.Drafts)
     variant: bool = False  # a variant of another method (e.g. kl-fisher): benched only when named

@@ -15,7 +15,7 @@ The default scores with `direct` throughout; `final_propagation="fisher"` scores
 saved cache and every question will see) with the Fisher path instead.
 
 The last eviction's probes are not the last tokens read but `lookahead` tokens the engine samples past the end of
-the read (Engine.draft) and forgets afterwards: the cache must serve the text that follows, and the model's own
+the read (probes.Drafts) and forgets afterwards: the cache must serve the text that follows, and the model's own
 sample of it asks for what that text will ask for. With those probes the direct and Fisher paths keep equally good
 caches, so the default pays for one backward pass per document (the calibration), not two.
 """
