@@ -247,9 +247,9 @@ def test_look_ahead_probes_the_last_eviction_with_drafts_and_forgets_them(model)
 @pytest.mark.parametrize("last_chunk, from_read, forwards", [(32, True, 2), (4, True, 3), (32, False, 3)])
 def test_drafts_from_the_read_skip_one_round_where_the_last_chunk_predicted_enough(model, last_chunk, from_read,
                                                                                    forwards):
-    """`drafts_from_read` (the default): the read's own predictions of its last tokens stand in for the first Jacobi round, so
-    two rounds cost two drafted forwards, not three (the last chunk asks for that many logits rows); a last chunk
-    shorter than the drafts falls back to the full rounds. Either way the drafts are forgotten."""
+    """`drafts_from_read` (the default): the read's own predictions of its last tokens stand in for the first Jacobi
+    round, so two rounds cost two drafted forwards, not three (the last chunk asks for that many logits rows); a last
+    chunk shorter than the drafts, or drafts not from the read, take the full rounds. The drafts are forgotten."""
     torch.manual_seed(5)
     ids = torch.randint(0, 300, (64 + last_chunk,)).tolist()
     policy = KL(lookahead=6)
