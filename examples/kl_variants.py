@@ -3,9 +3,9 @@
     python examples/kl_variants.py ../shared/data/moby-dick.txt samples=4 rounds=1 --budgets 20%,10% --seed 2
 
 Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds,
-`from_read=1` to start the drafts from the read's own predictions, `working=F` for the working limit (× the budget), `reconstruct=1` for reconstruction probes and `sees=span` /
-`span=N` for how they re-read; variants that differ
-in the last two are read in separate bench runs (the same windows).
+`from_read=0/1` for whether their first round is the read's own predictions, `working=F` for the working limit
+(× the budget), `reconstruct=1` for reconstruction probes and `sees=span` / `span=N` for how they re-read; variants
+that differ in the last two are read in separate bench runs (the same windows).
 The read's last eviction is probed by 64 sampled tokens, and one draft decides a window's result: two runs of the
 same default with different random streams differ by up to 10 % in mean KL. A variant that changes anything before
 the draft (e.g. the calibration's samples) also shifts the random stream the draft is sampled from, so a plain

@@ -196,7 +196,7 @@ class Engine:
             drafts = Drafts(count, self.policy.draft_rounds, self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
-                                       logits_rows=min(drafts.read_rows(), len(chunk)) if drafts else None)
+                                       logits_rows=drafts.read_rows(len(chunk)) if drafts else None)
             if must_evict:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)

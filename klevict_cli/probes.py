@@ -52,10 +52,11 @@ class Drafts:
     def __init__(self, count: int = 64, rounds: int = 2, from_read: bool = True):
         self.count, self.rounds, self.from_read = count, rounds, from_read
 
-    def read_rows(self) -> int:
-        """Rows of the read's last logits the drafts start from: with `from_read`, the read's own predictions of its
-        last tokens stand in for the first round (one forward fewer); otherwise only the last token's."""
-        return self.count if self.from_read else 1
+    def read_rows(self, read: int) -> int:
+        """Rows of the read's last logits the drafts start from, when its last forward read `read` tokens: with
+        `from_read` and that many tokens, the read's own predictions of them stand in for the first round (one forward
+        fewer); otherwise only the last token's."""
+        return self.count if self.from_read and self.rounds > 0 and read >= self.count else 1
 
     def probe_sets(self, engine, stream, read_logits: torch.Tensor) -> Iterator[ProbeSet]:
         count = min(self.count, engine.adapter.max_positions - stream.next_rope)

@@ -261,7 +261,8 @@ def test_drafts_from_the_read_skip_one_round_where_the_last_chunk_predicted_enou
         stream, chunk, **kw)
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    assert calls[2] == (last_chunk, min(6, last_chunk) if from_read else 1)  # the read's last chunk
+    # the read's last chunk: the drafts' rows of logits where they start from them, else the last token's only
+    assert calls[2] == (last_chunk, 6 if forwards == 2 else 1)
     assert [n for n, _ in calls[3:]] == [6] * forwards
     assert stream.tokens == ids and engine.held_per_head(stream) == 24
 
