@@ -198,27 +198,32 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
 
 def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:
     """The probe rows' statistics: their attention over the `visible` cache entries (ForwardContext.visible, as the
-    forward attended; or over `ctx.probe_entries` only, normalised by the kernel's log-sum-exp), queries and head
-    outputs."""
+    forward attended; or over `ctx.probe_entries` only), queries and head outputs. Where the attention kernel gave
+    each row's log-sum-exp, the weights are exp(logit - lse), normalised as the forward normalised them.
+
+    Built in place on one (H_kv, groups, W, C) tensor — a KV group's query heads as rows of its KV head, scaled
+    before the product, masked by broadcasting — because on a CPU the cost of this step is the passes over that
+    tensor (each a fresh allocation of tens of MB for 128 drafts over 4,096 entries), not the arithmetic."""
     w = min(ctx.probe_rows, query.shape[2])
     q = query[0, :, -w:]
-    groups = query.shape[1] // key.shape[1]
+    h_kv, groups = key.shape[1], query.shape[1] // key.shape[1]
     keys = key[0].float()
     columns = present = None
     if ctx.probe_entries is not None and lse is not None:
         columns, present = mask_columns(ctx.probe_entries(layer))
         keys = keys.gather(1, columns[..., None].expand(-1, -1, keys.shape[-1]))
-    # A group's query heads as rows of its KV head (as in _attend_grouped): no copy of the cache per query head.
-    rows_of_group = q.float().reshape(key.shape[1], -1, q.shape[-1])
-    logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(q.shape[0], w, -1) * scaling
-    allowed = attention_mask(layer, ctx.query_positions[-w:], visible, columns)
-    if columns is None:
-        weights = logits.masked_fill(~allowed.repeat_interleave(groups, dim=0), float("-inf")).softmax(dim=-1)
+    rows_of_group = (q.float() * scaling).reshape(h_kv, groups * w, q.shape[-1])
+    logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(h_kv, groups, w, -1)
+    allowed = attention_mask(layer, ctx.query_positions[-w:], visible, columns)  # (H_kv, W, n)
+    if columns is not None:
+        allowed &= present[:, None, :]
+    logits.masked_fill_(~allowed[:, None], float("-inf"))
+    if lse is None:
+        weights = logits.softmax(dim=-1)
     else:
-        allowed = allowed & present[:, None, :]
-        weights = (logits - lse[0, :, -w:, None].float()).exp()
-        weights = weights.masked_fill(~allowed.repeat_interleave(groups, dim=0), 0.0)
-    return LayerProbe(query=q, weights=weights, output=out[0, :, -w:], columns=columns, present=present)
+        weights = logits.sub_(lse[0, :, -w:].float().view(h_kv, groups, w, 1)).exp_()
+    return LayerProbe(query=q, weights=weights.view(h_kv * groups, w, -1), output=out[0, :, -w:], columns=columns,
+                      present=present)
 
 
 def _capture_residual(module, args):

@@ -239,7 +239,8 @@ def test_decode_eviction_never_evicts_the_question(method):
 def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_recorded():
     """kl calibrates on its last `calibration_rows` probes (a read kept whole calibrates on its 128 drafts): the
     step cut to them scores, and runs its backward pass, as a step whose forward recorded only those rows; the
-    candidates stay the entries before every probe."""
+    candidates stay the entries before every probe; and the sample's direct scores, computed apart from the other
+    probes', add up with theirs to the whole step's."""
     model = tiny_llama(seed=4)
     torch.manual_seed(4)
     ids = torch.randint(0, 300, (96,)).tolist()
@@ -269,11 +270,16 @@ def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_record
             torch.testing.assert_close(kl.direct_scores(sample, layers)[i], direct[i])
         engine.generator.manual_seed(0)
         expected = calibration_ratios(direct, kl.fisher_scores(steps[4], layers), steps[16], per_head=True)
+        whole = kl.direct_scores(steps[16], layers)
         kl.calibration = None
         engine.generator.manual_seed(0)
-        kl.probe_scores(steps[16], layers)
+        scores = kl.probe_scores(steps[16], layers)  # the sample scored apart from the other 12 probes, and summed
     for i in layers:
         torch.testing.assert_close(kl.calibration[i], expected[i])
+        torch.testing.assert_close(scores[i], whole[i] * expected[i][:, None])
+    others, last = steps[16].split_probes(4)
+    assert others.probe_positions.tolist() == steps[16].probe_positions[:12].tolist() and last.logits.shape[0] == 4
+    assert steps[16].split_probes(16) == (None, steps[16])
 
 
 @pytest.mark.parametrize("final_propagation", ["direct", "fisher"])

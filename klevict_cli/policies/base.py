@@ -43,13 +43,24 @@ class EvictionStep:
         same probes, for what needs a sample and not every probe (kl's calibration)."""
         if rows >= len(self.probe_positions):
             return self
-        probes = {i: replace(p, query=p.query[:, -rows:], weights=p.weights[:, -rows:], output=p.output[:, -rows:])
-                  for i, p in self.probes.items()}
         backward = self.backward
-        return replace(self, probes=probes, probe_positions=self.probe_positions[-rows:],
-                       residuals=None if self.residuals is None else self.residuals[-rows:],
-                       logits=None if self.logits is None else self.logits[-rows:],
-                       backward=lambda samples, live: backward(samples, live, rows), output_gradient_norms=None)
+        return replace(self._probe_rows(slice(-rows, None)),
+                       backward=lambda samples, live: backward(samples, live, rows))
+
+    def split_probes(self, rows: int) -> tuple[EvictionStep | None, EvictionStep]:
+        """(the step judged by all but its last `rows` probes, or None if there are no others; `last_probes(rows)`).
+        A score summed over probes is the sum of the two halves' scores, so a sample of the last probes can be
+        scored once and serve both the whole and what needs the sample."""
+        if rows >= len(self.probe_positions):
+            return None, self
+        return replace(self._probe_rows(slice(None, -rows)), backward=None), self.last_probes(rows)
+
+    def _probe_rows(self, rows: slice) -> EvictionStep:
+        probes = {i: replace(p, query=p.query[:, rows], weights=p.weights[:, rows], output=p.output[:, rows])
+                  for i, p in self.probes.items()}
+        return replace(self, probes=probes, probe_positions=self.probe_positions[rows],
+                       residuals=None if self.residuals is None else self.residuals[rows],
+                       logits=None if self.logits is None else self.logits[rows], output_gradient_norms=None)
 
 
 class Policy:

@@ -229,13 +229,16 @@ class KL(Policy):
     def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         if (self.final_propagation if step.final else self.propagation) == "fisher":
             return self.fisher_scores(step, layer_ids)
-        scores = self.direct_scores(step, layer_ids)
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
-            # changes nothing inside a layer, so only global allocation needs it
-            sample = step.last_probes(self.calibration_rows)
-            direct = scores if sample is step else self.direct_scores(sample, layer_ids)
+            # changes nothing inside a layer, so only global allocation needs it. The sample's direct scores are
+            # part of the whole's: scored once, apart from the other probes.
+            others, sample = step.split_probes(self.calibration_rows)
+            direct = self.direct_scores(sample, layer_ids)
+            scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids), direct)
             self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
+        else:
+            scores = self.direct_scores(step, layer_ids)
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
@@ -348,6 +351,13 @@ def calibration_ratios(direct: Mapping[int, torch.Tensor], fisher: Mapping[int, 
     ratio = ratio.nanmedian(dim=-1).values if per_head else ratio.flatten(1).nanmedian(dim=1).values[:, None]
     ratio = ratio.nan_to_num(1.0).expand(-1, heads).to(d.dtype)
     return {i: ratio[n] for n, i in enumerate(stack.layer_ids)}
+
+
+def add_scores(a: Mapping[int, torch.Tensor], b: Mapping[int, torch.Tensor]) -> Mapping[int, torch.Tensor]:
+    """Per-layer scores of two sets of probes, summed (one addition when both hold every layer at once)."""
+    if isinstance(a, Stacked) and isinstance(b, Stacked) and a.layer_ids == b.layer_ids:
+        return Stacked(a.tensor + b.tensor, a.layer_ids, a.widths)
+    return {i: a[i] + b[i] for i in a}
 
 
 def apply_calibration(scores: Mapping[int, torch.Tensor], ratios: dict[int, torch.Tensor]
