@@ -3,9 +3,10 @@
     python examples/kl_variants.py ../shared/data/moby-dick.txt samples=4 rounds=1 --budgets 20%,10% --seed 2
 
 Each variant is `KL(...)` keyword arguments (`samples=4,rank=8`), plus `rounds=N` for the draft's Jacobi rounds,
-`from_read=0/1` for whether their first round is the read's own predictions, `working=F` for the working limit
-(× the budget), `reconstruct=1` for reconstruction probes and `sees=span` / `span=N` for how they re-read; variants
-that differ in the last two are read in separate bench runs (the same windows).
+`from_read=0/1` for whether their first round is the read's own predictions, `calibration=document` / `=FILE` for
+calibrating on each document or adopting FILE's ratios instead of the model's shipped calibration, `working=F` for
+the working limit (× the budget), `reconstruct=1` for reconstruction probes and `sees=span` / `span=N` for how they
+re-read; variants that differ in the last two are read in separate bench runs (the same windows).
 The read's last eviction is probed by 64 sampled tokens, and one draft decides a window's result: two runs of the
 same default with different random streams differ by up to 10 % in mean KL. A variant that changes anything before
 the draft (e.g. the calibration's samples) also shifts the random stream the draft is sampled from, so a plain
@@ -24,6 +25,7 @@ import math
 import random
 from pathlib import Path
 
+from klevict_cli import calibrations
 from klevict_cli import probes as probes_module
 from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import BenchSettings, run_bench
@@ -63,10 +65,18 @@ def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
 
 
 def register(label: str, kwargs: dict, rounds: int) -> None:
-    """A policy class named `label` that is KL(**kwargs) and drafts with `rounds` Jacobi rounds."""
+    """A policy class named `label` that is KL(**kwargs) and drafts with `rounds` Jacobi rounds; `calibration=
+    document` calibrates on each document even where the model's calibration is shipped, `calibration=FILE` adopts
+    the ratios of FILE (examples/calibrate.py's output) instead of the shipped ones."""
     how = {f"reconstruction_{key}": kwargs.pop(key) for key in ("sees", "span") if key in kwargs}
     if "drafts_from_read" in kwargs:
         how["drafts_from_read"] = kwargs.pop("drafts_from_read")
+    calibration = kwargs.pop("calibration", None)
+    if calibration == "document":
+        how["adopt"] = lambda self, state, kv_heads, reread: None
+    elif calibration is not None:
+        state = calibrations.state_of(json.loads(Path(calibration).read_text()))
+        how["adopt"] = lambda self, _, kv_heads, reread: KL.adopt(self, state, kv_heads, reread)
     POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from klevict_cli import __version__
+from klevict_cli import __version__, calibrations
 from klevict_cli.adapters import ModelAdapter, adapter_for
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
@@ -86,8 +86,10 @@ def no_room(question: int, next_rope: int, positions: int, mode: str) -> str:
 class Session:
     """A loaded model plus what every operation on it needs (adapter, prompt frame, stop tokens)."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, shipped_calibration: bool = True):
         self.lm = lm
+        # policies start from the state measured once for this model, where klevict ships one (calibrations.py)
+        self.model_state = calibrations.shipped(lm.weights_sha256) if shipped_calibration else None
         self.adapter: ModelAdapter = adapter_for(lm.model)
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
@@ -96,6 +98,8 @@ class Session:
                head_cap: int | None = None) -> Engine:
         policy = make_policy(method)
         wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
+        if self.model_state is not None:
+            policy.adopt(self.model_state, self.kv_heads(), reread=wanted)
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
         return Engine(
             self.lm.model, self.adapter, policy, budget,

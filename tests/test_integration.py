@@ -108,6 +108,7 @@ def test_bench_kl_at_half_the_budget_is_far_closer_to_the_full_cache_than_random
     from klevict_cli.documents import Document
 
     session = session_for(resolve_options(None, quiet=True))
+    assert session.model_state is not None  # the calibration shipped for the packaged model's weights is found
     settings = BenchSettings(methods=["kl", "random"], budgets=["50%"], windows=2, context=512, continuation=32,
                              chunk_size=256, task="fidelity")
     result = run_bench(session, Document(harbour_log(), "log.txt", "0" * 64), settings)["fidelity"]["results"]

@@ -383,3 +383,53 @@ def test_top_eigenvectors_are_the_leading_ones_largest_first():
     assert top.shape == (2, 6, 3) and top.device == gram.device
     for column, index in enumerate((1, 3, 5)):  # eigenvalues 6, 4, 2
         assert torch.allclose(top[0, :, column].abs(), basis[:, index].abs(), atol=1e-9)
+
+
+def test_an_adopted_calibration_replaces_the_backward_pass_where_the_document_is_not_reread(monkeypatch):
+    """A model's shipped calibration (calibrations.py) is what every read without a re-reading starts from and
+    keeps: no backward pass, the same ratios after each new stream and in the state saved with the cache; a read
+    that re-reads its document ignores it and calibrates on the document."""
+    import json
+
+    model = tiny_llama(seed=5)
+    kv_heads = [layer.self_attn.config.num_key_value_heads for layer in model.model.layers]
+    ratios = {str(i): [0.5 + i + h for h in range(n)] for i, n in enumerate(kv_heads)}
+    state = {"calibration": json.dumps(ratios)}
+    backward = []
+    fisher_scores = KL.fisher_scores
+    monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(1) or fisher_scores(self, step,
+                                                                                                        ids))
+    ids = torch.randint(0, 300, (160,)).tolist()
+    for reread in (False, True):
+        policy = KL()
+        policy.adopt(state, kv_heads, reread=reread)
+        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=40, probe_window=8)
+        for _ in range(2):  # a second document starts from the adopted ratios again
+            stream = engine.new_stream()
+            assert (policy.calibration is None) == reread
+            engine.feed(stream, ids)
+            if not reread:
+                assert json.loads(stream.policy_state["calibration"]) == ratios
+        assert len(backward) == (2 if reread else 0)  # one backward pass per document where it calibrates
+        backward.clear()
+    with pytest.raises(ValueError):
+        KL().adopt({"calibration": json.dumps({"0": [1.0]})}, [2, 2], reread=False)  # not this model's shape
+
+
+def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weights():
+    import json
+
+    from klevict_cli import calibrations
+
+    files = sorted(calibrations.FOLDER.glob("*.json"))
+    assert files  # the default model's, at least
+    for path in files:
+        data = json.loads(path.read_text())
+        layers = len(data["ratios"])
+        heads = len(data["ratios"]["0"])
+        assert sorted(map(int, data["ratios"])) == list(range(layers))
+        state = calibrations.shipped(data["weights_sha256"])
+        policy = KL()
+        policy.adopt(state, [heads] * layers, reread=False)
+        assert all(torch.all(r > 0) for r in policy.adopted.values())
+    assert calibrations.shipped("0" * 64) is None

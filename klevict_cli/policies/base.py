@@ -134,6 +134,10 @@ class Policy:
         """Take back what `state()` returned, for a model with `kv_heads[l]` KV heads in layer l; raises ValueError
         if it does not fit."""
 
+    def adopt(self, state: dict[str, str], kv_heads: list[int], reread: bool) -> None:
+        """Start every document from `state` measured once for this model (klevict_cli/calibrations.py), instead of
+        learning it on each; `reread`: the reads re-read their document. Most policies have no such state."""
+
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
         return {}

@@ -1,0 +1,31 @@
+"""kl's calibration, measured once per model and shipped with klevict.
+
+`kl` multiplies each KV head's direct-path scores by the median ratio of Fisher to direct score (docs/method.md,
+"Calibration"). Measured on each document, that costs a backward pass at the first eviction, about 0.1x a read.
+But the ratios belong mostly to the model: on the default model they spread over a factor of about 3.4 between
+heads and 1.3-1.5 between windows of one head, and ratios averaged over Hamlet scored Moby Dick's tuning windows as
+well as each window's own did (0.94-1.04x the KL; docs/research-log.md). So for the models klevict ships with it
+carries the ratios averaged over many windows of texts outside the benchmark (`examples/calibrate.py`), keyed by
+the weights' fingerprint; other models calibrate on each document.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FOLDER = Path(__file__).parent / "model_calibrations"
+
+
+def shipped(weights_sha256: str) -> dict[str, str] | None:
+    """The per-model policy state (in `KL.state()`'s form) measured for these exact weights, or None."""
+    for path in sorted(FOLDER.glob("*.json")):
+        data = json.loads(path.read_text())
+        if data["weights_sha256"] == weights_sha256:
+            return state_of(data)
+    return None
+
+
+def state_of(data: dict) -> dict[str, str]:
+    """A calibration file's ratios as policy state (what `Policy.adopt` takes)."""
+    return {"calibration": json.dumps(data["ratios"])}
