@@ -282,6 +282,38 @@ def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_record
     assert steps[16].split_probes(16) == (None, steps[16])
 
 
+def test_many_probes_are_read_with_fewer_directions_each_and_calibrated_at_that_rank():
+    """kl's direct path reads at most `readout_directions` directions per eviction (probes × rank): a step with 16
+    probes is scored at rank 2 where 8 probes get the full rank 4; a calibration on such a step scores its sample
+    at the step's rank, so the ratios fit the scores they scale."""
+    model = tiny_llama(seed=4)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (96,)).tolist()
+    kl = KL(rank=4, readout_directions=32, calibration_rows=4)
+    engine = Engine(model, adapter_for(model), kl, budget=None, chunk_size=40)
+    layers = list(range(len(model.model.layers)))
+    stream = engine.new_stream()
+    engine.feed(stream, ids[:80])
+    logits, ctx = engine.forward(stream, ids[80:], probe_rows=16)
+    step = engine.eviction_step(stream, ctx, logits, 16)
+    assert [kl.rank_for(step.last_probes(n)) for n in (16, 12, 8, 4)] == [2, 2, 4, 4]
+    assert KL(rank=4, readout_directions=8).rank_for(step) == 1  # never below one direction
+    with torch.inference_mode():
+        at2, at4 = kl.direct_scores(step, layers, 2), kl.direct_scores(step, layers, 4)
+        sample = step.last_probes(4)
+        engine.generator.manual_seed(0)
+        expected = calibration_ratios(kl.direct_scores(sample, layers, 2), kl.fisher_scores(sample, layers), step,
+                                      per_head=True)
+        engine.generator.manual_seed(0)
+        calibrated = kl.probe_scores(step, layers)  # calibrates: the sample scored at rank 2
+        adopted = kl.probe_scores(step, layers)  # the ratios now known: no calibration
+    for i in layers:
+        assert not torch.allclose(at2[i], at4[i])
+        torch.testing.assert_close(kl.calibration[i], expected[i])
+        torch.testing.assert_close(calibrated[i], at2[i] * expected[i][:, None])
+        torch.testing.assert_close(adopted[i], at2[i] * expected[i][:, None])
+
+
 @pytest.mark.parametrize("final_propagation", ["direct", "fisher"])
 def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_backward_pass(monkeypatch,
                                                                                          final_propagation):

@@ -17,7 +17,8 @@ saved cache and every question will see) with the Fisher path instead.
 The last eviction's probes are not the last tokens read but `lookahead` tokens the engine samples past the end of
 the read (probes.Drafts) and forgets afterwards: the cache must serve the text that follows, and the model's own
 sample of it asks for what that text will ask for. With those probes the direct and Fisher paths keep equally good
-caches, so the default pays for one backward pass per document (the calibration), not two.
+caches, so the default pays for one backward pass per document (the calibration), not two. The scoring's work grows
+with probes × readout directions, so 128 drafts are read with 2 directions each where 32 probe rows get 4.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class KL(Policy):
                  question_share: float = 0.6,
                  refit: str = "final", refit_ridge: float = 0.1, refit_up_to: float = 0.15,
                  reconstruction_power: float = 4.0,
-                 question_scores: str = "attention", calibration_rows: int = 32):
+                 question_scores: str = "attention", calibration_rows: int = 32, readout_directions: int = 256):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -103,6 +104,11 @@ class KL(Policy):
         # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample
         # of probes, not all 128 drafts (a read kept whole until its last eviction calibrates on drafts).
         self.calibration_rows = calibration_rows
+        # The direct path's readout directions per eviction (probes × rank) are at most this many: the scoring's
+        # work grows with both, so a choice probed by 128 drafts reads 2 directions per probe instead of 4. That
+        # cut `summarize`'s cost at 50 % kept by 0.14x a read for 1.07x the KL there and 0.97x at 20 % on the tuning
+        # windows; 64 drafts or 32 probe rows keep rank 4 (docs/research-log.md)
+        self.readout_directions = readout_directions
 
     def reset(self) -> None:
         # calibrated on each document's first eviction, unless the model's calibration was adopted
@@ -144,7 +150,7 @@ class KL(Policy):
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
                 "question_share": str(self.question_share), "question_scores": self.question_scores,
-                "calibration_rows": str(self.calibration_rows),
+                "calibration_rows": str(self.calibration_rows), "readout_directions": str(self.readout_directions),
                 "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
@@ -243,14 +249,20 @@ class KL(Policy):
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
             # changes nothing inside a layer, so only global allocation needs it. The sample's direct scores are
             # part of the whole's: scored once, apart from the other probes.
+            rank = self.rank_for(step)  # the whole step's, so that the ratios fit the scores they scale
             others, sample = step.split_probes(self.calibration_rows)
-            direct = self.direct_scores(sample, layer_ids)
-            scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids), direct)
+            direct = self.direct_scores(sample, layer_ids, rank)
+            scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids, rank), direct)
             self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
         else:
-            scores = self.direct_scores(step, layer_ids)
+            scores = self.direct_scores(step, layer_ids, self.rank_for(step))
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
+
+    def rank_for(self, step: EvictionStep) -> int:
+        """The direct readout's rank for this step's probes: `rank`, or less where the probes are so many that
+        probes × rank would exceed `readout_directions` (never below 1)."""
+        return max(1, min(self.rank, self.readout_directions // max(1, len(step.probe_positions))))
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
                       ) -> Mapping[int, torch.Tensor]:
