@@ -106,8 +106,9 @@ class KL(Policy):
         self.calibration_rows = calibration_rows
         # The direct path's readout directions per eviction (probes × rank) are at most this many: the scoring's
         # work grows with both, so a choice probed by 128 drafts reads 2 directions per probe instead of 4. That
-        # cut `summarize`'s cost at 50 % kept by 0.14x a read for 1.07x the KL there and 0.97x at 20 % on the tuning
-        # windows; 64 drafts or 32 probe rows keep rank 4 (docs/research-log.md)
+        # cut `summarize`'s cost at 50 % kept from 1.38x to 1.26x a read (interleaved with full reads) for 1.04-1.10x
+        # the KL there and 0.99-1.04x at the other budgets on the report windows; 64 drafts or 32 probe rows keep
+        # rank 4 (docs/research-log.md)
         self.readout_directions = readout_directions
 
     def reset(self) -> None:
