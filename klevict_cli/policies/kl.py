@@ -247,17 +247,17 @@ class KL(Policy):
     def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         if (self.final_propagation if step.final else self.propagation) == "fisher":
             return self.fisher_scores(step, layer_ids)
+        rank = self.rank_for(step)  # the whole step's, also for a calibration's sample: the ratios fit the scores
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
             # changes nothing inside a layer, so only global allocation needs it. The sample's direct scores are
             # part of the whole's: scored once, apart from the other probes.
-            rank = self.rank_for(step)  # the whole step's, so that the ratios fit the scores they scale
             others, sample = step.split_probes(self.calibration_rows)
             direct = self.direct_scores(sample, layer_ids, rank)
             scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids, rank), direct)
             self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step,
                                                   per_head=self.calibrate_per == "head")
         else:
-            scores = self.direct_scores(step, layer_ids, self.rank_for(step))
+            scores = self.direct_scores(step, layer_ids, rank)
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
     def rank_for(self, step: EvictionStep) -> int:
