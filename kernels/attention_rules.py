@@ -77,3 +77,25 @@ def input_times_gradient(weights: torch.Tensor, inside: torch.Tensor, judged: to
     w = restricted_attention(weights, inside)
     per_head = (w * gradient_norms.float()[None, :, None]).amax(dim=1) * value_norms.float()  # (Hq, C)
     return per_head.view(inside.shape[0], -1, per_head.shape[-1]).amax(dim=1) * judged
+
+
+def copy_attention(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,
+                   before: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """What a re-reading's copying queries would pay each of T consecutive entries, estimated from the queries that
+    read them: re-reading token j, the model looks for its earlier occurrence (entry j) and for what followed it
+    (entry j + 1, an induction head's target). Each of those logits is set against everything the query attended
+    to when it was read — exp(s) / (exp(s) + exp(lse)), the attention it would pay the entry if that were added —
+    and an entry keeps the larger of the two, over the query heads of its group.
+    query (Hq, T, D) the tokens' queries, moved to where a re-reading would ask them; key (H_kv, T, D) their keys;
+    lse (Hq, T); `before`: the query (Hq, D) and lse (Hq,) of the token before the first, when known.
+    Returns (H_kv, T)."""
+    h_kv, t = key.shape[:2]
+    q = query.float().view(h_kv, -1, t, query.shape[-1])  # (H_kv, groups, T, D)
+    k, lse = key.float()[:, None], lse.float().view(q.shape[:3])
+    own = torch.sigmoid((q * k).sum(-1) * scaling - lse)
+    following = torch.zeros_like(own)
+    following[..., 1:] = torch.sigmoid((q[:, :, :-1] * k[:, :, 1:]).sum(-1) * scaling - lse[..., :-1])
+    if before is not None:
+        prev_q, prev_lse = before[0].float().view(q.shape[:2] + q.shape[3:]), before[1].float().view(q.shape[:2])
+        following[..., 0] = torch.sigmoid((prev_q * k[:, :, 0]).sum(-1) * scaling - prev_lse)
+    return torch.maximum(own, following).amax(dim=1)

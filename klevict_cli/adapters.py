@@ -146,6 +146,13 @@ class ModelAdapter:
             moved = torch.cat((moved, k[..., n:]), dim=-1)
         return moved.to(keys.dtype)
 
+    def move_queries(self, query: torch.Tensor, delta: int, layer_idx: int) -> torch.Tensor:
+        """Post-RoPE queries (Hq, T, D) as if asked `delta` positions later (float32); as they are for models
+        without rotary positions."""
+        if not self.can_rerotate:
+            return query.float()
+        return self.rerotate(query.float(), torch.full(query.shape[:-1], float(delta), device=query.device), layer_idx)
+
     def rerotate_layer(self, layer, delta: torch.Tensor, layer_idx: int) -> None:
         """Re-rotate a `LayerCache`'s entries in place by `delta` (H, C) positions."""
         self.require_rerotation()
@@ -320,6 +327,11 @@ class MLAAdapter(ModelAdapter):
         cfg = self.config
         return [LayerShape(1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, None)
                 for _ in self.layers]
+
+    def move_queries(self, query: torch.Tensor, delta: int, layer_idx: int) -> torch.Tensor:
+        rope = self.config.qk_rope_head_dim  # MLA's queries end with their rotary part
+        moved = super().move_queries(query[..., -rope:], delta, layer_idx)
+        return torch.cat((query[..., :-rope].float(), moved), dim=-1)
 
     def expanded_values(self, layer_idx: int, latent: torch.Tensor) -> torch.Tensor:
         """Per query head values (Hq, C, Dv) from the cached latent (1, C, kv_lora_rank), as `expand_kv` does."""

@@ -54,7 +54,8 @@ class ForwardContext:
     probes: dict[int, LayerProbe] = field(default_factory=dict)
     residuals: torch.Tensor | None = None  # (W, d_model) final residual stream at the probes
     captured: dict[int, torch.Tensor] | None = None  # head outputs kept in the autograd graph (Fisher re-runs)
-    # (layer_idx, layer, query (Hq, T, D), key (H_kv, C, D), query_positions, scaling): policies that see every query
+    # (layer_idx, layer, query (Hq, T, D), key (H_kv, C, D), query_positions, scaling, lse (Hq, T)): policies that
+    # see every query
     observer: Callable | None = None
     # layer -> (H_kv, C) bool: record the probes' attention to these entries only (where the attention kernel gives
     # each row's log-sum-exp, so the full (W × C) map need not be computed); None: every entry
@@ -156,6 +157,21 @@ def _attend_grouped(query, key, value, allowed, scaling):
     return out.reshape(1, hq, t, -1)
 
 
+def _log_sum_exp(query, key, allowed, scaling, block: int = 256) -> torch.Tensor:
+    """(1, Hq, T): each query's log-sum-exp over the entries it may attend to, `allowed` (H_kv, T, C), for the
+    attention paths whose kernel does not return it; `block` query rows at a time (never the whole (T × C) map)."""
+    _, hq, t, _ = query.shape
+    h_kv = key.shape[1]
+    groups = hq // h_kv
+    keys = key[0].float().transpose(1, 2)
+    out = torch.empty(h_kv, groups, t, device=query.device)
+    for lo in range(0, t, block):
+        q = query[0, :, lo : lo + block].float().reshape(h_kv, groups * min(block, t - lo), -1)
+        logits = torch.bmm(q * scaling, keys).view(h_kv, groups, -1, keys.shape[-1])
+        out[:, :, lo : lo + block] = logits.masked_fill(~allowed[:, None, lo : lo + block], float("-inf")).logsumexp(-1)
+    return out.view(1, hq, t)
+
+
 def klevict_attention(module, query, key, value, attention_mask_unused, scaling, dropout=0.0, **kwargs):
     ctx = _current.get()
     if ctx is None:  # a plain forward of the same model (e.g. a reference in a test): behave like sdpa
@@ -190,7 +206,9 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.observer is not None:
-        ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling)
+        if lse is None:
+            lse = _log_sum_exp(query, key, attention_mask(layer, ctx.query_positions, visible), scaling)
+        ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling, lse[0])
     if ctx.probe_rows:
         ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -154,17 +154,18 @@ class Engine:
     @torch.inference_mode()
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
-        probe_entries: Callable | None = None, attend_entries: Callable | None = None,
+        probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
-        see only the cached entries it marks (and each other). Returns the logits of the last `logits_rows` tokens
-        (default: max(1, probe_rows))."""
+        see only the cached entries it marks (and each other). `probing`: the tokens are probes that will be
+        forgotten (drafts, a re-reading), which policies that observe every forward do not see. Returns the logits
+        of the last `logits_rows` tokens (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         rope = torch.arange(stream.next_rope, stream.next_rope + t, device=self.device)
         stream.cache.begin(positions, rope)
-        ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=self.observer,
+        ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
                              probe_entries=probe_entries, attend_entries=attend_entries)
         with forward_context(ctx):
             out = run_with_cache(

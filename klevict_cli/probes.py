@@ -71,10 +71,10 @@ class Drafts:
         else:
             draft = [first] + stream.tokens[max(0, len(stream.tokens) - count + 1) :]
         for _ in range(rounds):
-            logits, _ = engine.forward(stream, draft, logits_rows=len(draft))
+            logits, _ = engine.forward(stream, draft, logits_rows=len(draft), probing=True)
             engine.forget_drafts(stream, len(draft))
             draft = [first] + sample_rows(logits[:-1], engine.generator)
-        logits, ctx = engine.forward(stream, draft, probe_rows=len(draft))
+        logits, ctx = engine.forward(stream, draft, probe_rows=len(draft), probing=True)
         yield ProbeSet(ctx, logits, len(draft), len(draft))
 
 
@@ -118,7 +118,8 @@ class Reconstruction:
                 return  # no room left in the model's positions to re-read
             entries = functools.partial(_span_entries, lo, hi, end)
             logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo, logits_rows=hi - lo if read else 1,
-                                         probe_entries=entries, attend_entries=entries if self.sees == "span" else None)
+                                         probe_entries=entries, attend_entries=entries if self.sees == "span" else None,
+                                         probing=True)
             yield ProbeSet(ctx, logits if read else None, len(ids), hi - lo, judged=(lo, hi))
 
 

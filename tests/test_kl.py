@@ -3,6 +3,8 @@ global allocation, and decode-phase eviction."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -465,3 +467,75 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
         policy.adopt(state, [heads] * layers, reread=False)
         assert all(torch.all(r > 0) for r in policy.adopted.values())
     assert calibrations.shipped("0" * 64) is None
+
+
+def _copy_scores(chunk_size: int, ids: list[int], seed: int = 5, seen: list | None = None) -> list:
+    """The copy estimate (`KL.COPY_EXTRA`) of every layer of tiny_llama(seed) after reading `ids` in chunks of
+    `chunk_size`, with nothing evicted; `seen` collects what the policy observed (layer, query, key, positions,
+    scaling, lse)."""
+    model = tiny_llama(seed=seed)
+    kl = KL(copy_share=0.5, copy_distance=100)
+    engine = Engine(model, adapter_for(model), kl, budget=None, chunk_size=chunk_size)
+    if seen is not None:
+        observe = kl.observe
+        engine.observer = lambda *args: (seen.append(args), observe(engine.adapter, *args))
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    return [layer.extras[KL.COPY_EXTRA] for layer in stream.cache.layers]
+
+
+def test_the_copy_estimate_is_what_a_copying_query_would_pay_each_entry_computed_directly():
+    """Per entry j and KV head: the largest, over its group's query heads, of exp(s) / (exp(s) + exp(lse)) for the
+    query of token j and of token j - 1 moved `copy_distance` positions on (s the logit against entry j's key, lse
+    the query's log-sum-exp over what it attended to when read, here recomputed from the keys)."""
+    torch.manual_seed(5)
+    ids = torch.randint(0, 300, (24,)).tolist()
+    seen: list = []
+    got = _copy_scores(64, ids, seen=seen)
+    adapter = adapter_for(tiny_llama(seed=5))
+    for layer_idx, _, query, key, positions, scaling, _ in seen:
+        hq, t, _ = query.shape
+        groups = hq // key.shape[0]
+        moved = adapter.move_queries(query, 100, layer_idx).double()
+        logits = (query.double() @ key.double().transpose(1, 2).repeat_interleave(groups, 0)) * scaling
+        lse = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
+        expected = torch.zeros(key.shape[0], t, dtype=torch.float64)
+        for h in range(hq):
+            for j in range(t):
+                for i in (j - 1, j):
+                    if i >= 0:
+                        s = float(moved[h, i] @ key[h // groups, j].double()) * scaling
+                        a = math.exp(s) / (math.exp(s) + math.exp(float(lse[h, i])))
+                        expected[h // groups, j] = max(expected[h // groups, j], a)
+        torch.testing.assert_close(got[layer_idx].double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_the_copy_estimate_does_not_depend_on_how_the_document_is_chunked():
+    """Read in one forward, in chunks of 7, or in chunks of 13 (the last a single token, attended without the
+    kernel's log-sum-exp), every entry gets the same estimate: each chunk's first entry is judged by the previous
+    chunk's last query."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, 300, (40,)).tolist()
+    whole = _copy_scores(64, ids)
+    assert all(s.shape[-1] == 40 and (s > 0).all() for s in whole)
+    for chunk in (7, 13):
+        for a, b in zip(_copy_scores(chunk, ids), whole):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_without_a_rereading_the_copy_share_of_the_budget_goes_to_the_best_copy_estimates():
+    """With `copy_share` and no reconstruction probes, the entries with the highest copy estimates (that share of
+    the budget, over every layer and head) are kept whatever the look-ahead says."""
+    torch.manual_seed(7)
+    ids = torch.randint(0, 300, (96,)).tolist()
+    model = tiny_llama(seed=7)
+    estimates = _copy_scores(512, ids, seed=7)
+    kl = KL(copy_share=0.5, copy_distance=100, lookahead=8)
+    engine = Engine(model, adapter_for(model), kl, budget=24, chunk_size=512, probe_window=4)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    flat = torch.cat([s.flatten() for s in estimates])
+    threshold = flat.topk(int(0.5 * 24 * flat.numel() / 96)).values[-1]
+    for layer, estimate in zip(stream.cache.layers, estimates):
+        for h, p in (estimate >= threshold).nonzero().tolist():  # column p holds position p: nothing evicted
+            assert bool(((layer.positions[h] == p) & layer.valid[h]).any()), (h, p)

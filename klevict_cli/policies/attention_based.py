@@ -73,7 +73,7 @@ class ObservedAttention(Policy):
     observes = True
     EXTRA = "observed_attention"
 
-    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
+    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling, lse) -> None:
         allowed = attention_mask(layer, query_positions)
         if key.shape[0] != layer.keys.shape[0]:  # MLA: keys expanded per query head over one cached latent
             sums = attention_column_sums(query, key, allowed.expand(key.shape[0], -1, -1), scaling)

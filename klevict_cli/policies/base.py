@@ -83,7 +83,9 @@ class Policy:
     # "final" eviction, or at "always" every eviction; `refit_ridge` is the ridge's strength
     refit: str = "never"
     refit_ridge: float = 0.1
-    observes: bool = False  # sees every query of every forward (`observe`), not only the probe rows
+    # sees every query of every forward that reads (`observe`) — the document, a question, an answer — not only the
+    # probe rows; never the probes appended and forgotten (drafts, a re-reading)
+    observes: bool = False
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
         """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of what was read;
@@ -118,9 +120,10 @@ class Policy:
         return False
 
     def observe(self, adapter: ModelAdapter, layer_idx: int, layer: LayerCache, query: torch.Tensor,
-                key: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> None:
-        """Called by the attention function for every forward when `observes`: query (Hq, T, D) post-RoPE, key
-        (H_kv, C, D) the layer's whole cache including the T new entries, query_positions (T,) rotary."""
+                key: torch.Tensor, query_positions: torch.Tensor, scaling: float, lse: torch.Tensor) -> None:
+        """Called by the attention function for every forward that reads when `observes`: query (Hq, T, D)
+        post-RoPE, key (H_kv, C, D) the layer's whole cache including the T new entries (its last T columns),
+        query_positions (T,) rotary, lse (Hq, T) each query's log-sum-exp over what it attended to."""
 
     def reset(self) -> None:
         """Forget per-document state before a new stream (the engine calls it); most policies have none."""

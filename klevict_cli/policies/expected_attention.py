@@ -32,7 +32,7 @@ class ExpectedAttention(Policy):
     def params(self) -> dict[str, str]:
         return {"future": str(self.future)}
 
-    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling) -> None:
+    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling, lse) -> None:
         if query.shape[-1] != layer.keys.shape[-1]:
             raise ModelError("expected_attention needs per-head keys; this model caches a compressed latent (MLA):"
                              " choose another --method")

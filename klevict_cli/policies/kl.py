@@ -14,11 +14,16 @@ budget is allocated globally by one top-k. Two propagations from a layer's head 
 The default scores with `direct` throughout; `final_propagation="fisher"` scores the read's last eviction (what the
 saved cache and every question will see) with the Fisher path instead.
 
+Without a re-reading (`summarize`), part of the budget goes to the entries a re-reading of the document would need
+most, estimated from the read's own queries (`observe`, kernels/attention_rules.py `copy_attention`): what a
+question about the document asks of the cache, and on the benchmark's texts also most of what the text that follows
+asks of it. With a re-reading (`compress`) the re-reading itself decides that share.
+
 The last eviction's probes are not the last tokens read but `lookahead` tokens the engine samples past the end of
 the read (probes.Drafts) and forgets afterwards: the cache must serve the text that follows, and the model's own
 sample of it asks for what that text will ask for. With those probes the direct and Fisher paths keep equally good
 caches, so the default pays for one backward pass per document (the calibration), not two. The scoring's work grows
-with probes × readout directions, so 128 drafts are read with 2 directions each where 32 probe rows get 4.
+with probes × readout directions, so more than 64 probes are read with fewer than 4 directions each.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Mapping
 
 import torch
 
-from klevict_kernels.attention_rules import restricted_max_attention
+from klevict_kernels.attention_rules import copy_attention, restricted_max_attention
 from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.cache import LayerStack, Stacked, mask_columns, pad_stack
 from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconstruction_columns, spread
@@ -58,15 +63,17 @@ class KL(Policy):
     reconstruction_span = 256
     EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
     QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
+    COPY_EXTRA = "kl_copy"  # per entry: the attention a re-reading's copying query would pay it, from the read itself
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
                  samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 128, reread_drafts: float = 0.5,
+                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64, reread_drafts: float = 1.0,
                  reread_drafts_up_to: float = 0.15, reconstruction_weight: float = 0.0, reconstruction_rank: int = 4,
                  question_share: float = 0.6,
                  refit: str = "final", refit_ridge: float = 0.1, refit_up_to: float = 0.15,
                  reconstruction_power: float = 4.0,
-                 question_scores: str = "attention", calibration_rows: int = 32, readout_directions: int = 256):
+                 question_scores: str = "attention", calibration_rows: int = 32, readout_directions: int = 256,
+                 copy_share: float = 0.3, copy_distance: int = 4096):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
@@ -75,9 +82,10 @@ class KL(Policy):
         if probes not in ("live", "frozen"):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
+        # 64 drafts: with the copy share below they kept the same KL as 128 on the tuning windows (1.06x / 0.96x /
+        # 0.99x / 0.89x at 50 / 20 / 10 / 5 % kept) for half the drafting (docs/research-log.md)
         self.lookahead = lookahead
-        # Of those drafts, the part sampled when the document is also re-read: the drafts then decide less of the
-        # budget (the question share is the re-reading's), and half as many kept the same KL on the tuning windows
+        # Of those drafts, the part sampled when the document is also re-read (64 of 128 kept the same KL there)
         self.reread_drafts = reread_drafts
         # ... and only where the read's last choice keeps at most this part of the document: above it the question
         # share and the refit to the last tokens read did nearly as well (1.1-1.4x the KL at 20/50 %, still far
@@ -102,16 +110,40 @@ class KL(Policy):
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
         self.adopted: dict[int, torch.Tensor] | None = None  # the model's calibration, where adopted (`adopt`)
         # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample
-        # of probes, not all 128 drafts (a read kept whole until its last eviction calibrates on drafts).
+        # of probes, not every draft (a read kept whole until its last eviction calibrates on drafts).
         self.calibration_rows = calibration_rows
         # The direct path's readout directions per eviction (probes × rank) are at most this many: the scoring's
-        # work grows with both, so a choice probed by 128 drafts reads 2 directions per probe instead of 4. That
-        # cut `summarize`'s cost at 50 % kept from 1.38x to 1.26x a read (interleaved with full reads) for 1.04-1.10x
-        # the KL there and 0.99-1.04x at the other budgets on the report windows; 64 drafts or 32 probe rows keep
-        # rank 4 (docs/research-log.md)
+        # work grows with both, so a choice probed by 128 drafts would read 2 directions per probe instead of 4
+        # (with 128 drafts that cut `summarize`'s cost at 50 % kept from 1.38x to 1.26x a read for 1.04-1.10x the KL
+        # there); the 64 drafts and 32 probe rows of the default keep rank 4 (docs/research-log.md)
         self.readout_directions = readout_directions
+        # Without a re-reading, the part of the budget kept for the entries a re-reading would need most, as the read's
+        # own queries estimate it (`observe`): on the tuning windows a share of 30 % made the KL of the text that
+        # follows 0.12x / 0.25x / 0.40x / 0.63x the look-ahead's alone at 50 / 20 / 10 / 5 % kept (3 of 3 windows
+        # each; 15 % and 60 % did as well or a little worse), at no measurable cost (docs/research-log.md). The
+        # queries are moved `copy_distance` positions on (at most half the model's positions), where a re-reading
+        # of a document would ask them: not moving them was 2x worse than the look-ahead alone at 50 %.
+        self.copy_share, self.copy_distance = copy_share, copy_distance
+        self.observes = copy_share > 0
+        # per layer: (the next position, the query and lse of the last token read), for the next forward's first entry
+        self._last_query: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def observe(self, adapter, layer_idx, layer, query, key, query_positions, scaling, lse) -> None:
+        """Estimate, for the entries this forward appends, the attention a re-reading of the document would pay them
+        (kernels/attention_rules.py, `copy_attention`), from the forward's own queries moved `copy_distance`
+        positions on — where a re-reading would ask them. Nothing is re-read: it costs a dot product per query."""
+        t = query.shape[1]
+        moved = adapter.move_queries(query, min(self.copy_distance, adapter.max_positions // 2), layer_idx)
+        last = self._last_query.get(layer_idx)
+        before = last[1:] if last is not None and last[0] == int(query_positions[0]) else None
+        scores = copy_attention(moved, key[:, -t:], lse, scaling, before)
+        self._last_query[layer_idx] = (int(query_positions[-1]) + 1, moved[:, -1], lse[:, -1])
+        if scores.shape[0] != layer.keys.shape[0]:  # MLA: one cached latent for every query head
+            scores = scores.amax(dim=0, keepdim=True)
+        layer.extra(self.COPY_EXTRA)[:, -t:] = scores
 
     def reset(self) -> None:
+        self._last_query = {}
         # calibrated on each document's first eviction, unless the model's calibration was adopted
         self.calibration = None if self.adopted is None else dict(self.adopted)
 
@@ -152,6 +184,7 @@ class KL(Policy):
                 "reconstruction_rank": str(self.reconstruction_rank),
                 "question_share": str(self.question_share), "question_scores": self.question_scores,
                 "calibration_rows": str(self.calibration_rows), "readout_directions": str(self.readout_directions),
+                "copy_share": str(self.copy_share), "copy_distance": str(self.copy_distance),
                 "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
@@ -184,7 +217,11 @@ class KL(Policy):
         if self.question_share > 0 and step.budget is not None:
             needed = stored if self.question_scores == "kl" else self.stored(step, layer_ids, self.QUESTION_EXTRA)
             if needed:
-                scores = self.reserve_for_questions(step, dict(scores), needed)
+                scores = self.reserve_for_questions(step, dict(scores), needed, self.question_share)
+            elif self.copy_share > 0:
+                copied = self.stored(step, layer_ids, self.COPY_EXTRA)
+                if copied:
+                    scores = self.reserve_for_questions(step, dict(scores), copied, self.copy_share)
         return scores
 
     def stored(self, step: EvictionStep, layer_ids: list[int], name: str) -> dict[int, torch.Tensor]:
@@ -195,21 +232,21 @@ class KL(Policy):
         return found
 
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
-                              stored: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+                              stored: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
         """Lift the entries the re-reading found most needed — `question_share` of the budget, by one top-k over
         every layer and head — above every other score, so that they are kept whatever the look-ahead says: what a
         question about the document needs is what re-reading it needs, and at tight budgets a weighted sum lets the
         next text's needs crowd it out."""
         layers = {i: step.cache.layers[i] for i in stored}
-        flat = torch.cat([s.float().masked_fill(~layers[i].valid, float("-inf")).flatten() for i, s in stored.items()])
+        flat = torch.cat([s.float().masked_fill(~_seen(layers[i]), float("-inf")).flatten() for i, s in stored.items()])
         heads = sum(layer.valid.shape[0] for layer in layers.values())
-        count = min(int(self.question_share * step.budget * heads), flat.numel())
+        count = min(int(share * step.budget * heads), flat.numel())
         if count <= 0:
             return scores
         threshold = flat.topk(count).values[-1]  # -inf if fewer are valid: then every valid entry is lifted
         lift = torch.stack([s.float().max() for s in scores.values()]).max() + 1.0  # no value read back
         for i, s in stored.items():
-            chosen = layers[i].valid & (s.float() >= threshold)
+            chosen = _seen(layers[i]) & (s.float() >= threshold)
             scores[i] = scores[i] + lift.to(scores[i]) * chosen.to(scores[i])
         return scores
 
@@ -342,6 +379,14 @@ class KL(Policy):
                                              / scale, fold_probes=live)
         return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / scale, fold_probes=live)
                 for i in layer_ids}
+
+
+def _seen(layer) -> torch.Tensor:
+    """(H, C) bool: the valid entries the layer's next queries can still see — all of them, or for a sliding layer
+    scored like the others (every layer of the model slides), those within its window of the newest entry."""
+    if layer.window is None:
+        return layer.valid
+    return layer.valid & (layer.rope_positions > layer.rope_positions.max() - layer.window)
 
 
 def stackable(step: EvictionStep, layer_ids: list[int]) -> bool:
