@@ -233,10 +233,10 @@ class KL(Policy):
 
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
                               stored: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
-        """Lift the entries the re-reading found most needed — `question_share` of the budget, by one top-k over
-        every layer and head — above every other score, so that they are kept whatever the look-ahead says: what a
-        question about the document needs is what re-reading it needs, and at tight budgets a weighted sum lets the
-        next text's needs crowd it out."""
+        """Lift the entries a re-reading needs most (`stored`: what the re-reading found, or the copy estimate where
+        there was none) — `share` of the budget, by one top-k over every layer and head — above every other score,
+        so that they are kept whatever the look-ahead says: what a question about the document needs is what
+        re-reading it needs, and at tight budgets a weighted sum lets the next text's needs crowd it out."""
         layers = {i: step.cache.layers[i] for i in stored}
         flat = torch.cat([s.float().masked_fill(~_seen(layers[i]), float("-inf")).flatten() for i, s in stored.items()])
         heads = sum(layer.valid.shape[0] for layer in layers.values())
