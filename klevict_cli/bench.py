@@ -1,7 +1,8 @@
 """`klevict bench`: every eviction method side by side on one document (DESIGN §6).
 
 Fidelity: draw `windows` windows of `context + continuation` tokens from the document (seeded). For each window the
-full-cache reference reads the context, then teacher-forces the continuation; every method × budget reads the same
+full-cache reference reads the context (inside the chat frame's opening, as `compress` and `summarize` read a
+document), then teacher-forces the continuation; every method × budget reads the same
 context chunk by chunk with eviction, then teacher-forces the same continuation at the original positions. Per
 token: KL(p_full ‖ p_compressed), top-1 agreement and the true next token's NLL. Cost: wall time of the compressed
 read relative to the full-cache read of the same window (same chunking), and the bytes of cache kept.
@@ -42,7 +43,7 @@ from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget
 from klevict_cli.policies import make_policy
 from klevict_cli.display import shown
-from klevict_cli.prompts import bos_ids, encode_text
+from klevict_cli.prompts import encode_text
 from klevict_cli.results import summary
 
 TASKS = ("fidelity", "needle", "recall", "both", "all")  # both: fidelity + needle; all: the three
@@ -309,11 +310,11 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
 
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
                  publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None) -> dict:
-    bos = bos_ids(session.lm.tokenizer)
-    body = settings.context - len(bos)
+    prefix = session.frame.prefix_ids(session.lm.tokenizer)  # read as `compress` and `summarize` read: in the frame
+    body = settings.context - len(prefix)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
     labels = list(dict.fromkeys(label for _, label in engines))
-    warm_up(session, settings, reference, engines, bos + doc_ids)
+    warm_up(session, settings, reference, engines, prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
     results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
                                              "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
@@ -338,7 +339,7 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
         if w < done:
             tick(f"window {w + 1}/{len(offsets)}: measured before", 1 + len(engines))
             continue
-        context = bos + doc_ids[offset : offset + body]
+        context = prefix + doc_ids[offset : offset + body]
         cont = doc_ids[offset + body : offset + body + settings.continuation]
         targets = torch.tensor(cont)
         ref = timed_read(reference, context)

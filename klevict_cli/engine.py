@@ -21,12 +21,20 @@ from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pa
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
-from klevict_cli.probes import Drafts, ProbeSet, Reconstruction
+from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction
 from klevict_cli.sampling import penalise_repeats, sample
 from klevict_kernels.refit import refit_values
 
 POSITION_MODES = ("auto", "original", "compact")
 WORKING_FACTOR = 4  # default working limit: this many times the budget (docs/method.md, "Lazy eviction")
+
+
+def sink_count(budget: int | None) -> int:
+    """How many of the first entries every eviction keeps, whatever the policy scores: the attention sinks, which
+    every query attends to (StreamingLLM; position 0 is the chat frame's opening token). Losing them leaves a cache
+    the model cannot use (a 300-token note at 10 % kept answered garbage), so they are a floor of the budget, as
+    the recent window is; a budget under 16 entries per head gives them a quarter of itself."""
+    return SINKS if budget is None else min(SINKS, budget // 4)
 
 
 @dataclass
@@ -221,9 +229,11 @@ class Engine:
             return 0
         return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read))
 
-    def recent_window(self, chunk_len: int) -> int:
-        """The last tokens read: they are the probes and are always kept (at most half the budget)."""
-        limit = self.budget // 2 if self.budget is not None else chunk_len
+    def recent_window(self, chunk_len: int, budget: int | None = None) -> int:
+        """The last tokens read: they are the probes and are always kept (at most half of what the sinks leave of
+        the budget, so that the policy's ranking always chooses part of it)."""
+        budget = self.budget if budget is None else budget
+        limit = (budget - sink_count(budget)) // 2 if budget is not None else chunk_len
         return max(1, min(self.probe_window, chunk_len, limit))
 
     def _scored_layers(self, stream: Stream) -> dict:
@@ -255,8 +265,12 @@ class Engine:
 
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor | None, w: int,
                       final: bool = False, judged: tuple[int, int] | None = None, budget: int | None = None,
-                      appended: int = 0) -> EvictionStep:
-        """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`."""
+                      appended: int = 0, recent: int = 0) -> EvictionStep:
+        """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`; the
+        eviction keeps the `recent` last tokens read (not counting the `appended` probe tokens) whatever the
+        scores."""
+        budget = self.budget if budget is None else budget
+        read_end = stream.next_position - appended
         return EvictionStep(
             cache=self.adapter.scoring_view(stream.cache),
             adapter=self.adapter,
@@ -267,8 +281,10 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
-            kept_fraction=self.kept_fraction(stream.next_position - appended, budget),
-            budget=self.budget if budget is None else budget,
+            kept_fraction=self.kept_fraction(read_end, budget),
+            budget=budget,
+            sinks=sink_count(budget) if budget is not None else 0,
+            recent=range(read_end - min(recent, read_end), read_end),
             backward=lambda samples, live, rows=w: head_output_gradients(
                 self.model, stream.cache, stream.tokens[-rows:],
                 torch.arange(stream.next_rope - rows, stream.next_rope, device=self.device), samples, self.generator,
@@ -290,7 +306,7 @@ class Engine:
         last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
-        step = self.eviction_step(stream, ctx, logits, w, final, budget=budget)
+        step = self.eviction_step(stream, ctx, logits, w, final, budget=budget, recent=w)
         scores = self.policy.score_layers(step, list(scored))
         self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, step))
 
@@ -311,7 +327,7 @@ class Engine:
         targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
-                                      appended=probe_set.appended)
+                                      appended=probe_set.appended, recent=recent)
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
@@ -355,15 +371,18 @@ class Engine:
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
-            w = min(recent, stream.next_position)
+            w, sinks = min(recent, stream.next_position), sink_count(budget)
             stack = LayerStack.of(scored) if stack is None else stack
             p = stack.positions
-            protect = (p >= stream.next_position - w) | ((p >= keep.start) & (p < keep.stop))
+            # a sliding layer (scored only when every layer slides) sees no sink beyond its window
+            sinks_seen = torch.tensor([layer.window is None for layer in scored.values()], device=p.device)
+            protect = (((p < sinks) & sinks_seen[:, None, None]) | (p >= stream.next_position - w)
+                       | ((p >= keep.start) & (p < keep.stop)))
             if self.policy.allocation == "global":
                 masks = select_global(stack, stack.stack(scores), budget, protect, min_per_head=w,
                                       max_per_head=self.head_cap)
             else:
-                budgets = self.policy.layer_budgets(budget, self.adapter.num_layers)
+                budgets = self.policy.layer_budgets(budget, self.adapter.num_layers, min(budget, sinks + w))
                 masks = pad_stack([select_keep(layer, scores[i], budgets[i] if budgets else budget,
                                                protect[n, :, : layer.capacity])
                                    for n, (i, layer) in enumerate(scored.items())], fill=False)
@@ -386,7 +405,7 @@ class Engine:
                 weights, outputs, appended = targets[i]
                 c = weights.shape[-1]
                 layer.values[:, :c] = refit_values(weights, outputs, layer.values[:, :c], columns[n], present[n],
-                                                   appended, self.policy.refit_ridge)
+                                                   appended, self.policy.refit_ridge, held=layer.valid[:, :c])
 
     @torch.inference_mode()
     def reconstruct(self, stream: Stream) -> None:
@@ -474,7 +493,7 @@ class Engine:
                 return  # nothing more to predict: don't pay for a forward of the last token
             logits = self.forward(stream, [token])[0][-1]
             if limit is not None and self.held_per_head(stream) > limit + slack:
-                recent = self.recent_window(slack)
+                recent = self.recent_window(slack, limit)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
                 self.evict(stream, ctx, probe_logits, recent, budget=limit, keep=prompt)
 

@@ -189,10 +189,12 @@ def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_que
     kl, layers = engine.policy, list(range(len(stream.cache.layers)))
     with torch.inference_mode():
         logits, ctx = engine.probe_again(stream, 8)
-        got = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
-        plain = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
-    lifted = sum(int(((got[i] - plain[i]) > 0)[stream.cache.layers[i].valid].sum()) for i in layers)
-    assert lifted == int(kl.question_share * 20 * sum(layer.valid.shape[0] for layer in stream.cache.layers))
+        step = engine.eviction_step(stream, ctx, logits, 8, budget=20, recent=8)
+        got, plain = kl.score_layers(step, layers), kl.probe_scores(step, layers)
+    lifted = [((got[i] - plain[i]) > 0) & stream.cache.layers[i].valid for i in layers]
+    # a share of what the sinks (4) and the recent window (8) leave of the budget; none of them is lifted
+    assert sum(int(m.sum()) for m in lifted) == int(kl.question_share * (20 - 4 - 8) * sum(m.shape[0] for m in lifted))
+    assert not any((m & step.kept_anyway(stream.cache.layers[i])).any() for i, m in zip(layers, lifted))
     # a share decided by the re-reading's KL still needs it scored, whatever the weight
     engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.0, question_scores="kl"),
                     budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
@@ -244,15 +246,17 @@ def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model,
     kl, layers = engine.policy, list(range(len(stream.cache.layers)))
     with torch.inference_mode():
         logits, ctx = engine.probe_again(stream, 8)
-        got = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
+        step = engine.eviction_step(stream, ctx, logits, 8, budget=20, recent=8)
+        got = kl.score_layers(step, layers)
         kl.question_share = 0.0
-        plain = kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=20), layers)
-    valid = [stream.cache.layers[i].valid for i in layers]
+        plain = kl.score_layers(step, layers)
+    # candidates: what the engine does not keep anyway (the sinks and the recent window)
+    valid = [stream.cache.layers[i].valid & ~step.kept_anyway(stream.cache.layers[i]) for i in layers]
     stored = torch.cat([(stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None] if needed == "kl"
                          else stream.cache.layers[i].extras[KL.QUESTION_EXTRA])[v] for i, v in zip(layers, valid)])
     heads = sum(v.shape[0] for v in valid)
     lifted = torch.cat([(g - p)[v] for g, p, v in zip(got.values(), plain.values(), valid)]) > 0
-    assert int(lifted.sum()) == int(0.25 * 20 * heads)
+    assert int(lifted.sum()) == int(0.25 * (20 - 4 - 8) * heads)  # a share of what the sinks and window leave
     assert torch.equal(lifted, stored >= stored.topk(int(lifted.sum())).values[-1])
     scores = torch.cat([g[v] for g, v in zip(got.values(), valid)])
     assert scores[lifted].min() > scores[~lifted].max()

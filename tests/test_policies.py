@@ -216,14 +216,16 @@ def test_each_baseline_keeps_exactly_its_budget(model, method):
     stream = engine.new_stream()
     logits = engine.feed(stream, ids)
     assert torch.isfinite(logits).all()
-    expected = engine.policy.layer_budgets(budget, len(stream.cache.layers)) or [budget] * len(stream.cache.layers)
+    floor = 4 + 8  # the sinks and the probe window
+    expected = (engine.policy.layer_budgets(budget, len(stream.cache.layers), floor)
+                or [budget] * len(stream.cache.layers))
     assert stream.cache.kept_counts() == [[b] * layer.keys.shape[0] for b, layer in zip(expected, stream.cache.layers)]
-    for layer in stream.cache.layers:  # the most recent probe window always survives
-        assert set(range(112, 120)) <= set(layer.positions[0][layer.valid[0]].tolist())
+    for layer in stream.cache.layers:  # the sinks and the most recent probe window always survive
+        assert {0, 1, 2, 3, *range(112, 120)} <= set(layer.positions[0][layer.valid[0]].tolist())
         for extra in layer.extras.values():
             assert extra.shape == layer.valid.shape
     if method == "pyramidkv":
-        assert expected[0] > budget > expected[-1] >= 8 and sum(expected) == budget * len(expected)
+        assert expected[0] > budget > expected[-1] >= floor and sum(expected) == budget * len(expected)
 
 
 def test_random_policy_runs_repeat_given_the_engine_seed(model):

@@ -43,15 +43,56 @@ def test_keeping_everything_leaves_the_values_as_they_are():
     assert torch.allclose(_refit(weights, outputs, values, keep, tail), values, atol=1e-12)
 
 
-def test_with_enough_kept_entries_the_probes_outputs_are_restored_exactly():
-    weights, outputs, values, tail = _probes()
-    keep = torch.zeros(values.shape[:2], dtype=torch.bool)
-    keep[:, ::2] = True  # 10 kept per head, 2 query heads x 3 probes = 6 rows: an exact fit exists
-    plain = _outputs_after(weights, values, keep, tail)
-    refit = _refit(weights, outputs, values, keep, tail, ridge=1e-10)
-    assert (plain - outputs).abs().max() > 1e-2  # evicting moved the outputs ...
-    assert torch.allclose(_outputs_after(weights, refit, keep, tail), outputs, atol=1e-6)  # ... the refit restores
-    assert torch.equal(refit[~keep], values[~keep])  # evicted entries are untouched (they are dropped anyway)
+def _exact_fit(weights, outputs, values, keep, tail):
+    """The kept values that restore every probe's output exactly with the least change (unbounded), or None."""
+    hq, kv = weights.shape[0], values.shape[0]
+    rows = weights.reshape(kv, -1, weights.shape[-1]) * keep[:, None, :]
+    mass = rows.sum(-1, keepdim=True) + (1 - weights.sum(-1).reshape(kv, -1, 1))
+    residual = outputs.reshape(kv, -1, outputs.shape[-1]) * mass - tail.reshape(kv, -1, tail.shape[-1]) - rows @ values
+    delta = torch.linalg.pinv(rows) @ residual
+    return values + delta if torch.allclose(rows @ delta, residual, atol=1e-8) else None
+
+
+def test_the_refit_restores_the_probes_outputs_exactly_where_the_model_s_range_allows_and_stays_in_it():
+    """Enough kept entries for an exact fit: where that fit's values lie within the head's largest |value|, the
+    outputs come back exactly; where it would need larger values, the refit stays within that bound and still
+    moves the outputs closer than no refit."""
+    seen = set()
+    for seed in range(6):
+        weights, outputs, values, tail = _probes(seed=seed)
+        keep = torch.zeros(values.shape[:2], dtype=torch.bool)
+        keep[:, ::2] = True  # 10 kept per head, 2 query heads x 3 probes = 6 rows: an exact fit exists
+        exact = _exact_fit(weights, outputs, values, keep, tail)
+        assert exact is not None
+        plain = _outputs_after(weights, values, keep, tail)
+        refit = _refit(weights, outputs, values, keep, tail, ridge=1e-10)
+        assert (plain - outputs).abs().max() > 1e-2  # evicting moved the outputs
+        assert torch.equal(refit[~keep], values[~keep])  # evicted entries are untouched (they are dropped anyway)
+        bound = values.abs().amax(dim=(1, 2))
+        within = bool((exact.abs().amax(dim=(1, 2)) <= bound).all())
+        seen.add(within)
+        if within:
+            assert torch.allclose(_outputs_after(weights, refit, keep, tail), outputs, atol=1e-6)
+        else:
+            assert (refit.abs().amax(dim=(1, 2)) <= bound + 1e-12).all()
+            error = (_outputs_after(weights, refit, keep, tail) - outputs).square().sum()
+            assert error < (plain - outputs).square().sum()
+    assert seen == {True, False}  # both cases were met
+
+
+def test_where_little_attention_is_kept_the_refit_neither_grows_the_values_nor_worsens_the_outputs():
+    """The entries the probes attend to least are kept (a tenth of the mass or less): the refit must stay within
+    the model's range and leave every head's probe outputs no further from the full cache's than no refit."""
+    for seed in range(4):
+        weights, outputs, values, tail = _probes(w=16, c=40, seed=seed)
+        mass = weights.reshape(2, -1, 40).sum(1)
+        keep = torch.zeros(values.shape[:2], dtype=torch.bool).scatter_(1, mass.topk(4, largest=False).indices, True)
+        refit = _refit(weights, outputs, values, keep, tail)
+        assert (refit.abs().amax(dim=(1, 2)) <= values.abs().amax(dim=(1, 2)) + 1e-12).all()
+        def error_per_head(v):
+            return (_outputs_after(weights, v, keep, tail) - outputs).square().reshape(2, -1).sum(1)
+
+        assert (error_per_head(refit) <= error_per_head(values) + 1e-12).all()
 
 
 def test_the_ridge_trades_the_fit_for_staying_near_the_original_values():

@@ -14,7 +14,6 @@ from klevict_cli.attention import attention_mask
 from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.policies.snapkv import SnapKV
 
-DEFAULT_PROBE_WINDOW = 32  # the engine's and the CLI's default --probe-window
 
 
 class PyramidKV(SnapKV):
@@ -25,14 +24,8 @@ class PyramidKV(SnapKV):
     def __init__(self, kernel: int = 7, beta: float = 20.0):
         super().__init__(kernel)
         self.beta = beta
-        self._probe_window = 0
 
-    def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
-        self._probe_window = len(step.probe_positions)  # every layer must keep at least the protected probes
-        return super().score(step, layer_idx)
-
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        floor = min(budget, max(self._probe_window, min(DEFAULT_PROBE_WINDOW, budget // 2)))
+    def layer_budgets(self, budget: int, num_layers: int, floor: int) -> list[int]:
         return pyramid_budgets(budget, num_layers, floor, self.beta)
 
     def params(self) -> dict[str, str]:

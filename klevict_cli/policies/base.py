@@ -33,10 +33,25 @@ class EvictionStep:
     read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
     kept_fraction: float | None = None  # the budget over the tokens read so far (how much of the document survives)
     budget: int | None = None  # entries per head (on average) the eviction keeps
+    # The engine keeps, whatever the scores, the first `sinks` entries and those at the `recent` positions (the last
+    # tokens read): part of the budget the policy's choice does not decide (Engine._keep_best)
+    sinks: int = 0
+    recent: range = range(0)
     # (S samples, live probes[, the last R probes only]) -> per layer (W or R, S, Hq, Dv) gradients (fisher.py)
     backward: Callable[..., dict[int, torch.Tensor]] | None = None
     # () -> per layer (W,) ‖∂Φ/∂a‖, KVgrad's sensitivity of the probes' final residuals (klevict_cli/fisher.py)
     output_gradient_norms: Callable[[], dict[int, torch.Tensor]] | None = None
+
+    def kept_anyway(self, layer: LayerCache) -> torch.Tensor:
+        """(H, C) bool: the valid entries of `layer` the engine keeps whatever the scores (the sinks, the recent
+        window)."""
+        p = layer.positions
+        return layer.valid & ((p < self.sinks) | ((p >= self.recent.start) & (p < self.recent.stop)))
+
+    @property
+    def chosen_per_head(self) -> int | None:
+        """Entries per head (on average) the policy's scores choose: the budget less what is kept anyway."""
+        return None if self.budget is None else max(0, self.budget - self.sinks - len(self.recent))
 
     def last_probes(self, rows: int) -> EvictionStep:
         """This step judged by its last `rows` probes only (all of them if it has no more): a cheaper sample of the
@@ -97,8 +112,9 @@ class Policy:
         the kept values (`refit`); `reread`: the document is re-read too."""
         return self.refit == "always" or (final and self.refit == "final")
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int] | None:
-        """Per-layer budgets for uniform allocation (None: `budget` everywhere). PyramidKV-style policies override."""
+    def layer_budgets(self, budget: int, num_layers: int, floor: int) -> list[int] | None:
+        """Per-layer budgets for uniform allocation, none below `floor` (what the engine keeps anyway: the sinks and
+        the recent window); None: `budget` everywhere. PyramidKV-style policies override."""
         return None
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 come are expected to attend to, times their value norm (kernels/expected_attention.py).
 
 The query statistics are every pre-RoPE query read so far (the policy observes every forward, after the attention
-sinks); the future is the next `future` positions after the eviction. Each layer and head keeps the same count; the
-first tokens (attention sinks) are always kept.
+sinks); the future is the next `future` positions after the eviction. Each layer and head keeps the same count (the
+engine keeps the attention sinks, as for every policy).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import torch
 from klevict_kernels.expected_attention import QueryMoments, expected_attention
 from klevict_cli.errors import ModelError
 from klevict_cli.policies.base import EvictionStep, Policy
-
-SINKS = 4
+from klevict_cli.probes import SINKS
 
 
 class ExpectedAttention(Policy):
@@ -54,8 +53,7 @@ class ExpectedAttention(Policy):
         basis = torch.eye(dim, device=layer.keys.device)[None].expand(len(future), -1, -1)
         # rotating the rows of I by p gives R_pᵀ; averaged over the future positions
         rotation = _rotated(step.adapter, basis, future[:, None].expand(-1, dim), layer_idx).mean(dim=0).T
-        scores = expected_attention(layer.keys, layer.values, layer.valid, mean, cov, rotation, self.scaling)
-        return scores.masked_fill(layer.valid & (layer.positions < SINKS), float("inf"))
+        return expected_attention(layer.keys, layer.values, layer.valid, mean, cov, rotation, self.scaling)
 
 
 def _rotated(adapter, x: torch.Tensor, delta: torch.Tensor, layer_idx: int) -> torch.Tensor:

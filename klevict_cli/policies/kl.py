@@ -234,19 +234,22 @@ class KL(Policy):
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
                               stored: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
         """Lift the entries a re-reading needs most (`stored`: what the re-reading found, or the copy estimate where
-        there was none) — `share` of the budget, by one top-k over every layer and head — above every other score,
+        there was none) — `share` of what the engine's floor leaves of the budget, by one top-k over every layer and
+        head — above every other score,
         so that they are kept whatever the look-ahead says: what a question about the document needs is what
         re-reading it needs, and at tight budgets a weighted sum lets the next text's needs crowd it out."""
         layers = {i: step.cache.layers[i] for i in stored}
-        flat = torch.cat([s.float().masked_fill(~_seen(layers[i]), float("-inf")).flatten() for i, s in stored.items()])
+        candidates = {i: _seen(layer) & ~step.kept_anyway(layer) for i, layer in layers.items()}
+        flat = torch.cat([s.float().masked_fill(~candidates[i], float("-inf")).flatten() for i, s in stored.items()])
         heads = sum(layer.valid.shape[0] for layer in layers.values())
-        count = min(int(share * step.budget * heads), flat.numel())
+        # a share of what the floor (sinks, recent window) leaves: the KL ranking always chooses the rest of it
+        count = min(int(share * step.chosen_per_head * heads), flat.numel())
         if count <= 0:
             return scores
         threshold = flat.topk(count).values[-1]  # -inf if fewer are valid: then every valid entry is lifted
         lift = torch.stack([s.float().max() for s in scores.values()]).max() + 1.0  # no value read back
         for i, s in stored.items():
-            chosen = _seen(layers[i]) & (s.float() >= threshold)
+            chosen = candidates[i] & (s.float() >= threshold)
             scores[i] = scores[i] + lift.to(scores[i]) * chosen.to(scores[i])
         return scores
 

@@ -5,7 +5,7 @@ Every span is re-read once after a repeat instruction (probes.Reconstruction, ru
 has been read, so it works while streaming as well as in one shot), and each entry of the span scores the largest
 attention any reconstruction query of its KV group pays it, renormalised over the attention sinks, the span and the
 reconstruction itself (as the paper does). Scores are comparable across layers and heads (attention
-probabilities): one global top-k. The first tokens (attention sinks) are always kept.
+probabilities): one global top-k. The engine keeps the attention sinks, as for every policy.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from klevict_kernels.attention_rules import input_times_gradient, restricted_max_attention
 from klevict_kernels.output_rules import projected_value_norm
 from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread
-from klevict_cli.probes import SINKS
 
 
 class KVzip(Policy):
@@ -37,8 +36,7 @@ class KVzip(Policy):
         return restricted_max_attention(step.probes[layer_idx].weights, inside, judged)
 
     def score(self, step: EvictionStep, layer_idx: int) -> torch.Tensor:
-        layer = step.cache.layers[layer_idx]
-        return layer.extra(self.EXTRA).masked_fill(layer.valid & (layer.positions < SINKS), float("inf"))
+        return step.cache.layers[layer_idx].extra(self.EXTRA)
 
 
 class KVgrad(KVzip):
