@@ -240,7 +240,8 @@ def test_look_ahead_probes_the_last_eviction_with_drafts_and_forgets_them(model)
     for layer in stream.cache.layers:
         for h in range(layer.keys.shape[0]):
             kept = set(layer.positions[h][layer.valid[h]].tolist())
-            assert max(kept) < 96 and set(range(88, 96)) <= kept  # no draft left; the last tokens read kept
+            # no draft left; the drafts judged the last tokens read, so only the sinks and the last one are sure
+            assert max(kept) < 96 and {0, 1, 2, 3, 95} <= kept
     assert engine.held_per_head(stream) == 24
 
 
