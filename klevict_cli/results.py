@@ -261,9 +261,10 @@ def protocol(result: dict) -> tuple:
 
 def headline_choice(results: dict[Path, dict]) -> list[Path]:
     """The fidelity results with kl and the most methods, measured the same way (`protocol`), all of them: on
-    different texts they are pooled (`pool`). Ties go to the most windows, then the latest names."""
-    usable = [p for p, r in results.items()
-              if "fidelity" in r and SUBJECT in r["fidelity"]["results"] and peers(r["fidelity"]["results"])]
+    different texts they are pooled (`pool`). Ties go to the most windows, then the latest names. The length sweep's
+    files have a table of their own (`length_table`)."""
+    usable = [p for p, r in results.items() if "fidelity" in r and SUBJECT in r["fidelity"]["results"]
+              and peers(r["fidelity"]["results"]) and p not in {q for ps in length_groups(results).values() for q in ps}]
     groups: dict[tuple, list[Path]] = {}
     for p in sorted(usable):
         groups.setdefault(protocol(results[p]), []).append(p)
@@ -329,3 +330,40 @@ def headline(paths: list[Path], parts: list[dict], link: str) -> list[str]:
             if (c := [rows[subject][b]["time_ratio"]["mean"] for b in budgets(result)]))
         + f"; the other methods {min(peer_costs):.2f}–{max(peer_costs):.2f}×.",
     ]
+
+
+def length_groups(results: dict[Path, dict]) -> dict[int, list[Path]]:
+    """The length sweep's results (`benchmarks/lengths.sh`: files named lengths-TEXT-LENGTH.json, fidelity with kl,
+    kl-reconstruct and peers), grouped by context length."""
+    groups: dict[int, list[Path]] = {}
+    for path, result in sorted(results.items()):
+        rows = result.get("fidelity", {}).get("results", {})
+        if path.name.startswith("lengths-") and all(m in rows for m in SUBJECTS) and peers(rows):
+            groups.setdefault(result["settings"]["context"], []).append(path)
+    return dict(sorted(groups.items()))
+
+
+def length_table(results: dict[Path, dict]) -> list[str]:
+    """Quality against context length: per length and budget, each kl reading's mean KL and its paired ratio to the
+    best other method (the texts of a length pooled, window by window)."""
+    groups = length_groups(results)
+    if not groups:
+        return ["No length-sweep results are committed yet (`benchmarks/lengths.sh`)."]
+    body = []
+    for length, paths in groups.items():
+        result = pool([results[p] for p in paths])
+        fid = result["fidelity"]
+        rows = fid["results"]
+        for b in budgets(result):
+            other = best_peer(fid, b)
+            cells = [f"{length:,}", md(b)]
+            for subject in SUBJECTS:
+                p = paired_ratio(rows[subject][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
+                cells += [pm(rows[subject][b]["kl"]), f"{ratio_text(p)}, {p['better']} of {p['windows']}"]
+            body.append(cells + [f"{md(other)} {pm(rows[other][b]['kl'])}"])
+    texts = sorted({Path(results[p]["settings"]["document"]["name"]).name for ps in groups.values() for p in ps})
+    return table(["context", "kept", "kl", "kl / best other", "kl-reconstruct", "kl-reconstruct / best other",
+                  "best other"], body) + [
+        "", "KL in nats per token (mean ± 95 % over windows); ratios paired per window (geometric mean, 95 % "
+        "bootstrap interval, windows where the kl reading is lower). Texts: " + ", ".join(f"`{md(t)}`" for t in texts)
+        + "; files: " + ", ".join(f"`{p.as_posix()}`" for ps in groups.values() for p in ps) + "."]

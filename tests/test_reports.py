@@ -187,3 +187,28 @@ def test_bench_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path,
 
 def test_bench_plot_needs_a_known_format(tmp_path):
     assert_error(invoke("bench", tmp_path / "missing.txt", "--plot", tmp_path / "b.gif"), 2, ".png")
+
+
+def test_the_length_sweep_gets_a_table_of_its_own_and_stays_out_of_the_headline(tmp_path, result):
+    """lengths-TEXT-LENGTH.json files (benchmarks/lengths.sh) make the quality-against-length table: one row per
+    context length and budget, the texts of a length pooled; the README's headline keeps to the other results."""
+    sweep = json.loads(json.dumps(result))
+    del sweep["needle"]  # the sweep measures fidelity only
+    fid = sweep["fidelity"]["results"]
+    fid["kl-reconstruct"] = json.loads(json.dumps(fid["kl"]))
+    for row in fid["kl-reconstruct"].values():
+        row["per_window"]["kl"] = [3 * x for x in row["per_window"]["kl"]]
+        results.resummarise(row)
+    longer = json.loads(json.dumps(sweep))
+    longer["settings"]["context"] = 400
+    root = tree(tmp_path, {"plain.json": result, "lengths-corpus-200.json": sweep, "lengths-corpus-400.json": longer})
+    assert make_tables.main(["--root", str(root)]) == 0
+    table = generated(root, "docs/benchmarks.md", make_tables.LENGTHS)
+    assert table.count("\n| 200 | ") == 2 and table.count("\n| 400 | ") == 2  # 50 % and 20 % at each length
+    best = min(("snapkv", "streaming"), key=lambda m: fid[m]["20%"]["kl"]["mean"])
+    ratio = paired_ratio(fid["kl"]["20%"]["per_window"]["kl"], fid[best]["20%"]["per_window"]["kl"])
+    assert f"{ratio['ratio']:.3f}" in table.split("\n| 200 | 20% |")[1].split("\n")[0]
+    assert "`benchmarks/results/lengths-corpus-400.json`" in table
+    readme = generated(root, "README.md", make_tables.HEADLINE)
+    assert "`benchmarks/results/plain.json`" in readme and "lengths-" not in readme
+    assert make_tables.main(["--root", str(root), "--check"]) == 0
