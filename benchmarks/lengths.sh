@@ -5,15 +5,16 @@
 # so its longest window is 7,936 tokens plus the 256 teacher-forced ones. Fewer windows for the long contexts.
 # Each part (peers, kl, kl-reconstruct) of each length and text is its own resumable run (--resume), merged into
 # benchmarks/results/lengths-TEXT-LENGTH.json once all three exist.
-# Usage: benchmarks/lengths.sh MOBY_DICK.txt HAMLET.md [LENGTHS, default 256,512,1024,4096,7936] [PARTS]
+# Usage: [WINDOWS=N] benchmarks/lengths.sh MOBY_DICK.txt HAMLET.md [LENGTHS, default 256,512,1024,4096,7936] [PARTS]
 set -euo pipefail
 moby=$1; hamlet=$2; lengths=${3:-256,512,1024,4096,7936}; parts=,${4:-peers,kl,kl-reconstruct},
 here=$(dirname "$0"); out=$here/results
 mkdir -p "$out/parts"
 budgets=50%,20%,10%,5%,32,64
 peers=kvgrad,kvzip,expected_attention,observed_attention,snapkv,streaming
-windows() {  # LENGTH -> windows per text
-  if (( $1 <= 1024 )); then echo 8; elif (( $1 <= 4096 )); then echo 4; else echo 2; fi
+windows() {  # LENGTH -> windows per text (WINDOWS=N: N at every length)
+  if [[ -n ${WINDOWS:-} ]]; then echo "$WINDOWS"; elif (( $1 <= 1024 )); then echo 8; elif (( $1 <= 4096 )); then echo 4
+  else echo 2; fi
 }
 for length in ${lengths//,/ }; do
   for pair in "moby:$moby" "hamlet:$hamlet"; do

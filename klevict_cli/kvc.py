@@ -469,7 +469,8 @@ def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]
         made = metadata.get("model_id", "an unknown model")
         what = "architecture (config)" if "model_config_sha256" in wrong else "weights"
         if made == using:  # pointing at the same name again would not help: it now holds another model
-            raise _error(path, f"this cache was made by model {_show(made)}, whose {what} have changed since"
+            changed = "has changed" if "model_config_sha256" in wrong else "have changed"
+            raise _error(path, f"this cache was made by model {_show(made)}, whose {what} {changed} since"
                                " (another version of it?) — recompress it with the model as it is now")
         raise _error(
             path,
