@@ -224,10 +224,12 @@ def test_summarize_prompt_changes_the_question(doc, other_model):
                                "--max-new-tokens", "16", "--json", *extra))["summary"]
 
     default = summary()
-    asked = summary("--prompt", QUESTIONS[1])
-    assert default and asked
-    assert asked != default
-    assert summary("--prompt", QUESTIONS[1]) == asked  # and deterministic
+    # a tiny random model's greedy answer ignores some prompts (two of three gave the default's 4 tokens at this
+    # budget): the prompt reaches the model if any question changes the answer
+    asked = [summary("--prompt", question) for question in QUESTIONS]
+    assert default and all(asked)
+    assert any(answer != default for answer in asked)
+    assert summary("--prompt", QUESTIONS[0]) == asked[0]  # and deterministic
 
 
 # ---- compress --------------------------------------------------------------------------------------------------
