@@ -15,7 +15,6 @@ from klevict_cli.policies.base import EvictionStep, Policy
 from klevict_cli.policies.snapkv import SnapKV
 
 
-
 class PyramidKV(SnapKV):
     """`pyramidkv` (PyramidKV): SnapKV scores with budgets decreasing linearly from lower to upper layers."""
 
