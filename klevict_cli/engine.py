@@ -20,7 +20,7 @@ from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
-from klevict_cli.policies import EvictionStep, Policy, select_global, select_keep
+from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction
 from klevict_cli.sampling import penalise_repeats, sample
 from klevict_kernels.refit import refit_values
@@ -326,11 +326,12 @@ class Engine:
         `compress`'s 0.69-0.86x what protecting the whole window gave (docs/research-log.md)."""
         scored = self._scored_layers(stream)
         held = LayerStack.of(scored)  # before any probe is appended: the entries judged
+        kept_recent = 1  # of the last tokens read, the probes judge all but the last
         total = None
         targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
-                                      appended=probe_set.appended, recent=1)
+                                      appended=probe_set.appended, recent=kept_recent)
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
@@ -338,7 +339,7 @@ class Engine:
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
-        self._keep_best(stream, held.split(total), 1, budget, targets=_stack_rows(targets), stack=held)
+        self._keep_best(stream, held.split(total), kept_recent, budget, targets=_stack_rows(targets), stack=held)
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:
@@ -378,8 +379,9 @@ class Engine:
             stack = LayerStack.of(scored) if stack is None else stack
             p = stack.positions
             # a sliding layer (scored only when every layer slides) sees no sink beyond its window
-            sinks_seen = torch.tensor([layer.window is None for layer in scored.values()], device=p.device)
-            protect = (((p < sinks) & sinks_seen[:, None, None]) | (p >= stream.next_position - w)
+            layer_sinks = torch.tensor([sinks if layer.window is None else 0 for layer in scored.values()],
+                                       device=p.device)
+            protect = (in_floor(p, layer_sinks[:, None, None], range(stream.next_position - w, stream.next_position))
                        | ((p >= keep.start) & (p < keep.stop)))
             if self.policy.allocation == "global":
                 masks = select_global(stack, stack.stack(scores), budget, protect, min_per_head=w,

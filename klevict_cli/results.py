@@ -263,8 +263,9 @@ def headline_choice(results: dict[Path, dict]) -> list[Path]:
     """The fidelity results with kl and the most methods, measured the same way (`protocol`), all of them: on
     different texts they are pooled (`pool`). Ties go to the most windows, then the latest names. The length sweep's
     files have a table of their own (`length_table`)."""
+    sweep = {p for paths in length_groups(results).values() for p in paths}
     usable = [p for p, r in results.items() if "fidelity" in r and SUBJECT in r["fidelity"]["results"]
-              and peers(r["fidelity"]["results"]) and p not in {q for ps in length_groups(results).values() for q in ps}]
+              and peers(r["fidelity"]["results"]) and p not in sweep]
     groups: dict[tuple, list[Path]] = {}
     for p in sorted(usable):
         groups.setdefault(protocol(results[p]), []).append(p)

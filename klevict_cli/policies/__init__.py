@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from klevict_cli.errors import UsageError
-from klevict_cli.policies.base import EvictionStep, Policy, select_global, select_keep
+from klevict_cli.policies.base import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.policies.simple import FullCache, Streaming
 from klevict_cli.policies.snapkv import SnapKV
 from klevict_cli.policies.attention_based import H2O, TOVA, ObservedAttention, PyramidKV
@@ -26,4 +26,4 @@ def make_policy(name: str) -> Policy:
     return POLICIES[name]()
 
 
-__all__ = ["POLICIES", "EvictionStep", "Policy", "make_policy", "select_global", "select_keep"]
+__all__ = ["POLICIES", "EvictionStep", "Policy", "in_floor", "make_policy", "select_global", "select_keep"]

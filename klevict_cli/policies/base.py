@@ -45,8 +45,7 @@ class EvictionStep:
     def kept_anyway(self, layer: LayerCache) -> torch.Tensor:
         """(H, C) bool: the valid entries of `layer` the engine keeps whatever the scores (the sinks, the recent
         window)."""
-        p = layer.positions
-        return layer.valid & ((p < self.sinks) | ((p >= self.recent.start) & (p < self.recent.stop)))
+        return layer.valid & in_floor(layer.positions, self.sinks, self.recent)
 
     @property
     def chosen_per_head(self) -> int | None:
@@ -160,6 +159,12 @@ class Policy:
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""
         return {}
+
+
+def in_floor(positions: torch.Tensor, sinks: int | torch.Tensor, recent: range) -> torch.Tensor:
+    """Whether entries at `positions` are in the floor every eviction keeps: one of the first `sinks` (an int, or a
+    tensor that broadcasts against `positions`) or at a `recent` position."""
+    return (positions < sinks) | ((positions >= recent.start) & (positions < recent.stop))
 
 
 def judged_mask(layer: LayerCache, judged: tuple[int, int] | None) -> torch.Tensor:
