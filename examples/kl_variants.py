@@ -73,10 +73,10 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
         how["drafts_from_read"] = kwargs.pop("drafts_from_read")
     calibration = kwargs.pop("calibration", None)
     if calibration == "document":
-        how["adopt"] = lambda self, state, kv_heads, reread: None
+        how["adopt"] = lambda self, state, kv_heads: None
     elif calibration is not None:
         state = calibrations.state_of(json.loads(Path(calibration).read_text()))
-        how["adopt"] = lambda self, _, kv_heads, reread: KL.adopt(self, state, kv_heads, reread)
+        how["adopt"] = lambda self, _, kv_heads: KL.adopt(self, state, kv_heads)
     POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 

@@ -145,7 +145,8 @@ class Engine:
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
-        self.observer = functools.partial(policy.observe, adapter) if policy.observes else None
+        observes = policy.observes_read(self.reconstruction is not None)
+        self.observer = functools.partial(policy.observe, adapter) if observes else None
         self.shapes = adapter.layer_shapes()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -106,12 +106,19 @@ class Reconstruction:
 
         return cls(encode(REPEAT_FIRST), encode(REPEAT_LATER), suffix, **kwargs)
 
+    def spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) cut evenly into spans of about `span` tokens (3/4 to 3/2 of it, unless [lo, hi) is shorter): a
+        short last span would cost a forward of its own, and small forwards run far below a long one's speed per
+        token."""
+        count = max(1, round((hi - lo) / self.span))
+        bounds = [lo + (hi - lo) * k // count for k in range(count + 1)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
     def probe_sets(self, engine, stream, start: int) -> Iterator[ProbeSet]:
         """Re-read the stream's tokens from position `start` to its end, one span per set."""
         end = stream.next_position
         read = engine.policy.reads_reconstruction_logits()
-        for lo in range(max(start, 1), end, self.span):  # position 0 (BOS or the first token) is never re-read
-            hi = min(end, lo + self.span)
+        for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
             prompt = self.first if lo <= 1 else self.later + stream.tokens[max(1, lo - self.overlap) : lo]
             ids = prompt + self.suffix + stream.tokens[lo:hi]
             if stream.next_rope + len(ids) > engine.adapter.max_positions:

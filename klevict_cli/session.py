@@ -99,7 +99,7 @@ class Session:
         policy = make_policy(method)
         wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
         if self.model_state is not None:
-            policy.adopt(self.model_state, self.kv_heads(), reread=wanted)
+            policy.adopt(self.model_state, self.kv_heads())
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
         return Engine(
             self.lm.model, self.adapter, policy, budget,

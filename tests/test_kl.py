@@ -15,6 +15,7 @@ from klevict_cli.engine import Engine
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman
 from klevict_cli.policies import EvictionStep, select_global
 from klevict_cli.policies.kl import KL, calibration_ratios
+from klevict_cli.probes import Reconstruction
 from tests.conftest import tiny_llama
 
 
@@ -419,10 +420,10 @@ def test_top_eigenvectors_are_the_leading_ones_largest_first():
         assert torch.allclose(top[0, :, column].abs(), basis[:, index].abs(), atol=1e-9)
 
 
-def test_an_adopted_calibration_replaces_the_backward_pass_where_the_document_is_not_reread(monkeypatch):
-    """A model's shipped calibration (calibrations.py) is what every read without a re-reading starts from and
-    keeps: no backward pass, the same ratios after each new stream and in the state saved with the cache; a read
-    that re-reads its document ignores it and calibrates on the document."""
+def test_an_adopted_calibration_replaces_the_backward_pass(monkeypatch):
+    """A model's shipped calibration (calibrations.py) is what every read starts from and keeps, whether or not it
+    re-reads its document: no backward pass, the same ratios after each new stream and in the state saved with the
+    cache; without one, each document calibrates on itself (one backward pass)."""
     import json
 
     model = tiny_llama(seed=5)
@@ -434,20 +435,23 @@ def test_an_adopted_calibration_replaces_the_backward_pass_where_the_document_is
     monkeypatch.setattr(KL, "fisher_scores", lambda self, step, ids: backward.append(1) or fisher_scores(self, step,
                                                                                                         ids))
     ids = torch.randint(0, 300, (160,)).tolist()
-    for reread in (False, True):
+    reconstruction = Reconstruction([5, 6], [7], [8], span=32, sees="span")
+    for adopted, reread in ((True, False), (True, True), (False, False)):
         policy = KL()
-        policy.adopt(state, kv_heads, reread=reread)
-        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=40, probe_window=8)
+        if adopted:
+            policy.adopt(state, kv_heads)
+        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=40, probe_window=8,
+                        reconstruction=reconstruction if reread else None)
         for _ in range(2):  # a second document starts from the adopted ratios again
             stream = engine.new_stream()
-            assert (policy.calibration is None) == reread
+            assert (policy.calibration is None) != adopted
             engine.feed(stream, ids)
-            if not reread:
+            if adopted:
                 assert json.loads(stream.policy_state["calibration"]) == ratios
-        assert len(backward) == (2 if reread else 0)  # one backward pass per document where it calibrates
+        assert len(backward) == (0 if adopted else 2)  # one backward pass per document where it calibrates
         backward.clear()
     with pytest.raises(ValueError):
-        KL().adopt({"calibration": json.dumps({"0": [1.0]})}, [2, 2], reread=False)  # not this model's shape
+        KL().adopt({"calibration": json.dumps({"0": [1.0]})}, [2, 2])  # not this model's shape
 
 
 def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weights():
@@ -464,9 +468,24 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
         assert sorted(map(int, data["ratios"])) == list(range(layers))
         state = calibrations.shipped(data["weights_sha256"])
         policy = KL()
-        policy.adopt(state, [heads] * layers, reread=False)
+        policy.adopt(state, [heads] * layers)
         assert all(torch.all(r > 0) for r in policy.adopted.values())
     assert calibrations.shipped("0" * 64) is None
+
+
+def test_a_read_that_rereads_its_document_does_not_pay_for_the_copy_estimate():
+    """The copy estimate stands in for a re-reading's attention: where the document is re-read (compress), the
+    re-reading decides the question share and the read is not observed at all."""
+    model = tiny_llama(seed=5)
+    ids = torch.randint(0, 300, (120,)).tolist()
+    for reread in (False, True):
+        seen = []
+        policy = KL()
+        policy.observe = lambda *args: seen.append(args[1])
+        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=40, probe_window=8,
+                        reconstruction=Reconstruction([5, 6], [7], [8], span=32, sees="span") if reread else None)
+        engine.feed(engine.new_stream(), ids)
+        assert bool(seen) != reread
 
 
 def _copy_scores(chunk_size: int, ids: list[int], seed: int = 5, seen: list | None = None) -> list:

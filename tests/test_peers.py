@@ -84,10 +84,21 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         assert probe_set.rows == hi - lo and probe_set.logits is None  # kl's default reads no re-reading logits
         seen.append((lo, hi))
         engine.forget_drafts(stream, probe_set.appended)
-    assert seen == [(1, 17), (17, 33), (33, 49), (49, 65), (65, 70)]
+    assert seen == [(1, 18), (18, 35), (35, 52), (52, 70)]  # 69 tokens in 4 even spans of about 16
     assert stream.tokens == ids and stream.next_rope == 70
     for layer, saved in zip(stream.cache.layers, before):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 2), (1, 9), (1, 24), (1, 25), (5, 70), (1, 4097), (300, 812)])
+def test_a_re_reading_cuts_what_it_rereads_into_even_spans(lo, hi):
+    """Every position of [lo, hi) once, in order, in spans of 3/4 to 3/2 of the span size (or one span, where the
+    whole is shorter): no short last span costs a forward of its own."""
+    spans = reconstruction(span=16).spans(lo, hi)
+    assert [p for a, b in spans for p in range(a, b)] == list(range(lo, hi))
+    sizes = [b - a for a, b in spans]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(12 <= size <= 24 for size in sizes) or (len(spans) == 1 and hi - lo < 12)
 
 
 def test_a_re_reading_computes_next_token_logits_only_for_a_policy_that_reads_them(model):
@@ -104,7 +115,7 @@ def test_a_re_reading_computes_next_token_logits_only_for_a_policy_that_reads_th
         for probe_set in reconstruction(span=16).probe_sets(engine, stream, 0):
             recorded[weight].append((probe_set.logits, probe_set.ctx.probes[1].weights))
             engine.forget_drafts(stream, probe_set.appended)
-    assert [logits.shape[0] for logits, _ in recorded[0.01]] == [16, 16, 16, 1]
+    assert [logits.shape[0] for logits, _ in recorded[0.01]] == [16, 16, 17]
     assert all(logits is None for logits, _ in recorded[0.0])
     for (_, read), (_, skipped) in zip(recorded[0.01], recorded[0.0]):
         torch.testing.assert_close(skipped, read)
@@ -128,10 +139,11 @@ def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
     engine.forget_drafts(stream, probe_set.appended)
     logits, ctx = engine.forward(stream, appended, probe_rows=probe_set.rows)  # the same probes, full map
     full = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows), [0, 1])
-    gathered = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows, judged=(20, 36)), [0, 1])
+    lo, hi = probe_set.judged
+    gathered = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows, judged=(lo, hi)), [0, 1])
     for i in (0, 1):
         layer = stream.cache.layers[i]
-        inside = (layer.positions >= 20) & (layer.positions < 36)
+        inside = (layer.positions >= lo) & (layer.positions < hi)
         for span in (recorded[i], gathered[i]):
             assert torch.allclose(span[inside], full[i][inside], rtol=1e-4, atol=1e-9)
             assert not span[~inside].any()

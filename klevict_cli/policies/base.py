@@ -101,6 +101,11 @@ class Policy:
     # probe rows; never the probes appended and forgotten (drafts, a re-reading)
     observes: bool = False
 
+    def observes_read(self, reread: bool) -> bool:
+        """Whether to `observe` a read (`observes`), given that the document is also re-read (`reread`): a policy
+        whose observation stands in for a re-reading need not pay for it when there is one."""
+        return self.observes
+
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
         """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of what was read;
         `reread`: the document is re-read too."""
@@ -152,9 +157,9 @@ class Policy:
         """Take back what `state()` returned, for a model with `kv_heads[l]` KV heads in layer l; raises ValueError
         if it does not fit."""
 
-    def adopt(self, state: dict[str, str], kv_heads: list[int], reread: bool) -> None:
+    def adopt(self, state: dict[str, str], kv_heads: list[int]) -> None:
         """Start every document from `state` measured once for this model (klevict_cli/calibrations.py), instead of
-        learning it on each; `reread`: the reads re-read their document. Most policies have no such state."""
+        learning it on each. Most policies have no such state."""
 
     def params(self) -> dict[str, str]:
         """Parameters worth recording in a `.kvc` file's metadata."""

@@ -142,17 +142,20 @@ class KL(Policy):
             scores = scores.amax(dim=0, keepdim=True)
         layer.extra(self.COPY_EXTRA)[:, -t:] = scores
 
+    def observes_read(self, reread: bool) -> bool:
+        """The copy estimate stands in for a re-reading's attention: with a re-reading that decides the question
+        share, it would be computed and never used."""
+        return self.observes and not (reread and self.question_share > 0)
+
     def reset(self) -> None:
         self._last_query = {}
         # calibrated on each document's first eviction, unless the model's calibration was adopted
         self.calibration = None if self.adopted is None else dict(self.adopted)
 
-    def adopt(self, state: dict[str, str], kv_heads: list[int], reread: bool) -> None:
-        """Use the model's shipped calibration for reads that do not re-read their document (`summarize`): it saves
-        the backward pass, 0.1x a read, at the same KL on the tuning windows. A read that re-reads (`compress`,
-        which spends up to 2.5x a read once for every later question) still calibrates on the document itself."""
-        if reread:
-            return
+    def adopt(self, state: dict[str, str], kv_heads: list[int]) -> None:
+        """Use the model's shipped calibration instead of a backward pass on each document: on the tuning windows
+        it kept the same KL for `summarize` and `compress` alike (0.98-1.01x at 512 tokens, 4,096 in
+        docs/research-log.md), and the backward pass is a fixed cost that weighs most on short documents."""
         self.restore(state, kv_heads)
         self.adopted = self.calibration
 
