@@ -77,7 +77,7 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
     elif calibration is not None:
         state = calibrations.state_of(json.loads(Path(calibration).read_text()))
         how["adopt"] = lambda self, _, kv_heads: KL.adopt(self, state, kv_heads)
-    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": rounds, **how,
+    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": lambda self, reread: rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 
 

@@ -203,7 +203,8 @@ class Engine:
             must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
             count = self.draft_count(stream.next_position + len(chunk)) if final and must_evict else 0
-            drafts = Drafts(count, self.policy.draft_rounds, self.policy.drafts_from_read) if count else None
+            reread = self.reconstruction is not None
+            drafts = Drafts(count, self.policy.draft_rounds(reread), self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
                                        logits_rows=drafts.read_rows(len(chunk)) if drafts else None)

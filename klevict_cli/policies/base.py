@@ -83,7 +83,6 @@ class Policy:
     evicts: bool = True
     allocation: str = "uniform"  # "uniform": every head keeps `budget`; "global": one top-k over all layers/heads
     lookahead: int = 0  # probe the read's last eviction with this many tokens sampled past its end (probes.Drafts)
-    draft_rounds: int = 2  # the drafts' Jacobi rounds (probes.Drafts)
     drafts_from_read: bool = True  # the read's own predictions stand in for their first round (probes.Drafts)
     variant: bool = False  # a variant of another method (e.g. kl-fisher): benched only when named
     # Reconstruction probes (probes.Reconstruction): "never" used, "optional" (used when the caller asks, e.g.
@@ -105,6 +104,10 @@ class Policy:
         """Whether to `observe` a read (`observes`), given that the document is also re-read (`reread`): a policy
         whose observation stands in for a re-reading need not pay for it when there is one."""
         return self.observes
+
+    def draft_rounds(self, reread: bool) -> int:
+        """The drafts' Jacobi rounds (probes.Drafts); `reread`: the document is re-read too."""
+        return 2
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
         """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of what was read;
