@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.engine import Engine
 from klevict_cli.policies import make_policy

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from klevict_cli.adapters import LayerShape
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one layer caches per entry: KV heads (and the query heads that share them), key and value widths."""
+
+    kv_heads: int
+    query_heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None  # sliding-window size, or None for a global layer
 
 
 _FIELDS = ("keys", "values", "positions", "rope_positions", "valid")

@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.engine import Engine, Stream
 from klevict_cli.policies import make_policy

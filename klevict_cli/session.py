@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from klevict_cli import __version__, calibrations
-from klevict_cli.adapters import ModelAdapter, adapter_for
+from klevict_cli.adapter_check import adapter_for
+from klevict_cli.adapters import ModelAdapter
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions

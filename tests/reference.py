@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 
 REFERENCE_NAME = "klevict_test_reference"
 _REFERENCE_MASKS: dict[int, torch.Tensor] = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.engine import Engine, plan_positions
 from klevict_cli.probes import Drafts
 from klevict_cli.sampling import sample_rows

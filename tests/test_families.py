@@ -52,8 +52,8 @@ from klevict_cli.adapters import (
     MLAAdapter,
     ModelAdapter,
     OPTAdapter,
-    adapter_for,
 )
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.cli import app
 from klevict_cli.engine import Engine, Stream

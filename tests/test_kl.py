@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klevict_kernels.kl import direct_readout, kl_scores, removal_coefficients, to_head_space, top_eigenvectors
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.cache import KVCache, LayerCache, LayerStack, Stacked
 from klevict_cli.engine import Engine
 from klevict_cli.oracle import float64_copy, leave_one_out_kl, spearman

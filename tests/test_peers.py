@@ -8,7 +8,7 @@ import torch
 
 from klevict_kernels.attention_rules import attention_column_sums, input_times_gradient, restricted_max_attention
 from klevict_kernels.expected_attention import QueryMoments, expected_attention
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.engine import Engine
 from klevict_cli.fisher import attention_output_gradient_norms
 from klevict_cli.policies import make_policy

@@ -8,7 +8,7 @@ import torch
 
 from klevict_kernels.attention_rules import pyramid_budgets
 from klevict_kernels.output_rules import output_change, projected_value_norm
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.attention import LayerProbe
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.engine import Engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.cache import mask_columns
 from klevict_cli.engine import Engine
 from klevict_cli.policies.kl import KL

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klevict_cli.adapters import adapter_for
+from klevict_cli.adapter_check import adapter_for
 from klevict_cli.bench import continuation_logits, token_metrics
 from klevict_cli.engine import Engine, sink_count
 from klevict_cli.policies import POLICIES, make_policy
