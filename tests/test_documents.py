@@ -6,6 +6,7 @@ from pathlib import Path
 import pypdf
 import pytest
 
+from klevict_cli import documents
 from klevict_cli.documents import Document, load_document, normalise
 from klevict_cli.errors import DocumentError
 
@@ -103,11 +104,19 @@ def test_unknown_suffix_is_read_as_text(tmp_path):
 
 
 def test_nul_byte_means_binary(tmp_path):
-    assert error_of(write(tmp_path, "a.bin", b"text\x00more")).endswith(": looks like a binary file, not text")
+    assert error_of(write(tmp_path, "a.bin", b"text\x00more")).endswith(
+        ": looks like a binary file, not text (a NUL byte at offset 4)")
 
 
-def test_mostly_invalid_utf8_is_binary(tmp_path):
+def test_bytes_all_outside_utf8_without_control_characters_are_not_utf8_text(tmp_path):
+    # no control character: as likely text in an 8-bit encoding (KOI8-R, CP1251: nearly every byte high) as binary
     path = write(tmp_path, "img.txt", bytes(range(0x80, 0x100)) * 4)
+    message = error_of(path)
+    assert message.startswith(path) and "is not UTF-8 (byte 0x80 at line 1, offset 0; 512 of its 512 bytes" in message
+
+
+def test_undecodable_bytes_among_control_characters_are_binary(tmp_path):
+    path = write(tmp_path, "img.txt", bytes(range(0x01, 0x100)) * 4)
     message = error_of(path)
     assert message.startswith(path) and "looks like a binary file, not text" in message
 
@@ -121,7 +130,8 @@ def test_a_stray_invalid_byte_in_long_utf8_text_is_tolerated(tmp_path):
 def test_just_over_one_percent_invalid_is_refused_saying_where(tmp_path):
     data = "café\n".encode() + b"a" * 92 + b"\xff\xff"  # UTF-8 with 2 bad of ~99 characters
     message = error_of(write(tmp_path, "x.txt", data))
-    assert "is not UTF-8 (byte 0xff at line 2, offset 98)" in message and "iconv" in message
+    assert "is not UTF-8 (byte 0xff at line 2, offset 98; 2 of its 100 bytes are not UTF-8)" in message
+    assert "iconv" in message
 
 
 @pytest.mark.parametrize("encoding", ["cp1252", "latin-1"])
@@ -131,7 +141,9 @@ def test_windows_1252_and_latin1_text_is_decoded(tmp_path, encoding):
         text += " “quoted” – 5 €"  # the characters Windows-1252 adds to Latin-1
     document = load_document(write(tmp_path, "old.txt", text.encode(encoding)))
     assert document.text == text
-    assert document.notes == (f"{tmp_path / 'old.txt'} is not UTF-8; read it as Windows-1252 (Latin-1)",)
+    (note,) = document.notes
+    assert note.startswith(f"{tmp_path / 'old.txt'} is not UTF-8 (") and "0xfc at line 1, offset 2" in note
+    assert note.endswith("read it as Windows-1252 (Latin-1), in which that byte is 'ü'")
 
 
 def test_an_ascii_text_with_one_high_byte_is_windows_1252(tmp_path):
@@ -191,10 +203,10 @@ def test_directory(tmp_path):
 def test_permission_denied(tmp_path, monkeypatch):
     path = write(tmp_path, "secret.txt", "x")
 
-    def refuse(self):
+    def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(Path, "read_bytes", refuse)
+    monkeypatch.setattr(documents, "open", refuse, raising=False)
     assert error_of(path) == f"{path}: permission denied"
 
 
@@ -293,7 +305,7 @@ def test_stdin_missing(monkeypatch):
 
 def test_stdin_binary(monkeypatch):
     monkeypatch.setattr(sys, "stdin", FakeStdin(b"\x00\x01\x02"))
-    assert error_of("-") == "<stdin>: looks like a binary file, not text"
+    assert error_of("-") == "<stdin>: looks like a binary file, not text (a NUL byte at offset 0)"
 
 
 def test_broken_pdf_warnings_stay_off_the_log(tmp_path, caplog):
