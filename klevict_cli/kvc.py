@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,13 @@ from klevict_cli.files import write_atomically
 FORMAT = "klevict-kvc"
 FORMAT_VERSION = "1"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# The largest magnitude a key or value may have: what float16 holds. A model's keys and values are far smaller (tens,
+# a few thousand for the rare outlier); a forged 1e30 would pass every other check and make every answer blank.
+MAX_MAGNITUDE = 65504.0
+# method_params: a flat JSON object of short strings (or numbers); every number in it in [0, MAX_PARAM] (2^20: the
+# longest context a count could mean; shares are at most 1).
+MAX_PARAM = float(2**20)
+MAX_PARAM_CHARS = 64
 LAYER_FIELDS = ("keys", "values", "positions", "rope_positions", "lengths")
 
 # The only dtypes a .kvc file may hold, by their safetensors names.
@@ -411,6 +419,10 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
             continue
         if not (torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()):
             raise _error(path, f"layer {i}: keys or values hold NaN or infinity")
+        largest = max(float(layer.keys.abs().max()), float(layer.values.abs().max()))
+        if largest > MAX_MAGNITUDE:
+            raise _error(path, f"layer {i}: a key or value of magnitude {largest:.3g}, beyond any model's"
+                               f" ({MAX_MAGNITUDE:g} at most)")
         if int(layer.positions.min()) < 0 or int(layer.positions.max()) >= tokens.numel():
             raise _error(path, f"layer {i}: positions out of range for the {tokens.numel()} streamed tokens")
         if int(layer.rope_positions.min()) < 0:
@@ -448,6 +460,27 @@ def _check_metadata_values(path: Path | str, metadata: dict[str, str]) -> None:
             raise _error(path, f"metadata {key} is not valid JSON ({_show(exc)})") from None
         if not isinstance(value, dict):
             raise _error(path, f"metadata {key} is not a JSON object")
+        if key == "method_params":
+            _check_method_params(path, value)
+
+
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _check_method_params(path: Path | str, params: dict) -> None:
+    """The method's parameters as written (`Policy.params`): names to short strings, numbers sane (no negative
+    top_k, no rank of a billion). Informational when loading, but a file that states nonsense is refused."""
+    for name, value in params.items():
+        shown = f"metadata method_params {_show(name)}"
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise _error(path, f"{shown} is not a string or a number")
+        text = str(value)
+        if len(text) > MAX_PARAM_CHARS or not text.isprintable():
+            raise _error(path, f"{shown} is not a short, printable value")
+        if isinstance(value, int | float) or _NUMBER.fullmatch(text):
+            number = float(text)
+            if not 0 <= number <= MAX_PARAM:
+                raise _error(path, f"{shown} is {_show(text)}, outside [0, {MAX_PARAM:.0f}]")
 
 
 def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> bool:

@@ -490,3 +490,46 @@ def test_random_damage_is_caught_or_harmless(fuzz_case, damages):
         return
     assert_same(_FUZZ_SOURCE, loaded)
     assert loaded.metadata == metadata
+
+
+# --- bounds on what a valid cache may hold (issue 42, item 6) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1e30, -7e4])
+def test_keys_or_values_beyond_any_models_magnitude_are_refused_though_the_checksum_is_right(saved, value):
+    path, _ = saved
+    tensors, metadata = raw_parts(path)
+    tensors["layers.1.values"][2, 0] = value
+    write_raw(path, tensors, metadata)  # the checksum recomputed: only the bound can catch it
+    rejects(path, "layer 1: a key or value of magnitude")
+
+
+def test_the_largest_magnitude_allowed_loads(saved):
+    path, _ = saved
+    tensors, metadata = raw_parts(path)
+    tensors["layers.0.keys"][0, 0] = kvc.MAX_MAGNITUDE
+    write_raw(path, tensors, metadata)
+    assert load_kvc(path).layers[0].keys[0, 0] == kvc.MAX_MAGNITUDE
+
+
+@pytest.mark.parametrize(("params", "needle"), [
+    ({"top_k": "-1"}, "method_params top_k is -1, outside [0, 1048576]"),
+    ({"rank": "1e9"}, "method_params rank is 1e9, outside [0, 1048576]"),
+    ({"rank": 1e9}, "method_params rank is 1000000000.0, outside"),
+    ({"top_k": {"nested": "1"}}, "method_params top_k is not a string or a number"),
+    ({"probes": "x" * 65}, "method_params probes is not a short, printable value"),
+    ({"probes": "live\x1b[2J"}, "method_params probes is not a short, printable value"),
+])
+def test_nonsense_method_params_are_refused(saved, params, needle):
+    path, _ = saved
+    tensors, metadata = raw_parts(path)
+    metadata["method_params"] = json.dumps(params)
+    write_raw(path, tensors, metadata)
+    rejects(path, needle)
+
+
+def test_every_methods_own_params_pass_the_bounds():
+    from klevict_cli.policies import POLICIES
+
+    for name, policy in POLICIES.items():
+        kvc._check_method_params("x.kvc", policy().params())
