@@ -16,15 +16,15 @@ import yaml
 from klevict_cli.errors import UsageError
 
 BUDGET_FORMS = (
-    "a percentage (5%, 12.5%), a fraction in (0, 1] (0.05), "
-    "or a token count (2048, 2k = 2048, 1.5k = 1536, 1m = 1048576)"
+    "a share of the streamed tokens, written with % or a decimal point (5%, 12.5%, 0.05, 1.0 = all), or a whole "
+    "number of entries per KV head (2048, 2k = 2048, 1.5k = 1536, 1m = 1048576)"
 )
 # Token counts and positions are int32 in a .kvc file: no count option may exceed this.
 MAX_COUNT = 2**31 - 1
 # Binary multiples, as in "a 4k context" = 4096 tokens.
 _TOKEN_SUFFIXES = {"": 1, "k": 1024, "m": 1024 * 1024}
-# Digits only: float() would also take "nan", "inf", "1e3" and "1_000".
-_BUDGET_RE = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>%|[km]?)", re.IGNORECASE)
+# ASCII digits only: float() would also take "nan", "inf", "1e3", "1_000" and other scripts' digits ("١٠").
+_BUDGET_RE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>%|[km]?)", re.IGNORECASE)
 
 OPTION_TYPES: dict[str, type] = {
     "model": str,
@@ -87,8 +87,9 @@ class Budget:
 def parse_budget(text: str) -> Budget:
     """Parse a budget: "5%", "12.5%", "0.05", "2048", "2k", "1.5k", "1m" (spaces and case ignored).
 
-    A bare number with a decimal point must be a fraction in (0, 1]; a bare integer is a token count, so "1" means
-    one token and "1.0" means everything. Token counts with a suffix are rounded to a whole token.
+    The grammar has one reading for each string: a share is written with "%" or a decimal point (then it must be in
+    (0, 1]); a number without either is a count of entries per KV head, so "1" keeps one entry and "1.0" keeps
+    everything. Counts with a suffix are rounded to a whole entry. Only ASCII digits are numbers.
     """
     match = _BUDGET_RE.fullmatch(text.strip())
     if match is None:
@@ -100,13 +101,13 @@ def parse_budget(text: str) -> Budget:
         return Budget(fraction=number / 100)
     if unit == "" and "." in match["number"]:
         if not 0 < number <= 1:
-            raise _bad_budget(text, "a number with a decimal point is a fraction and must be in (0, 1]")
+            raise _bad_budget(text, "a number with a decimal point is a share of the tokens and must be in (0, 1]")
         return Budget(fraction=number)
     if number * _TOKEN_SUFFIXES[unit] > MAX_COUNT:  # also a number too long to be a float (inf)
-        raise _bad_budget(text, f"a token count must be at most {MAX_COUNT}")
+        raise _bad_budget(text, f"a count of entries must be at most {MAX_COUNT}")
     tokens = round(number * _TOKEN_SUFFIXES[unit])
     if tokens < 1:
-        raise _bad_budget(text, "a token count must be at least 1")
+        raise _bad_budget(text, "a count of entries must be at least 1")
     return Budget(tokens=tokens)
 
 
@@ -241,7 +242,7 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-_SIZE_RE = re.compile(r"(?P<number>\d+(?:\.\d*)?)\s*(?P<unit>[kmgt]?)i?b?", re.IGNORECASE)
+_SIZE_RE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]*)?)\s*(?P<unit>[kmgt]?)i?b?", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -261,10 +262,8 @@ def parse_working_limit(text: str | None) -> Budget | float | None:
         return None
     value = str(text).strip().lower()
     if value.endswith("x"):
-        try:
-            factor = float(value[:-1])
-        except ValueError:
-            factor = float("nan")
+        number = value[:-1].strip()
+        factor = float(number) if re.fullmatch(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", number) else float("nan")
         if not (math.isfinite(factor) and factor >= 1):
             raise UsageError(f"invalid --working-limit '{text}'; a multiple of the budget is at least 1x (e.g. 4x)")
         return factor
