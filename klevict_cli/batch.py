@@ -100,7 +100,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     """`i/n` with 0 <= i < n: this run takes shard i of n."""
     if text is None:
         return None
-    match = re.fullmatch(r"(\d{1,6})/(\d{1,6})", text.strip())
+    match = re.fullmatch(r"([0-9]{1,6})/([0-9]{1,6})", text.strip())
     if not match or int(match[2]) < 1 or int(match[1]) >= int(match[2]):
         raise UsageError(f"invalid --shard {text!r}; give i/n with i from 0 to n-1, e.g. 0/4")
     return int(match[1]), int(match[2])
@@ -129,14 +129,15 @@ def kvc_names(paths: list[str]) -> dict[str, str]:
 
 
 def plan_sources(paths: list[str], shard: tuple[int, int] | None) -> list[Source]:
-    """Hash each file's bytes and keep this shard's; an unreadable file is sharded by its path and fails later."""
-    from klevict_cli.documents import read_source
+    """Hash each file's bytes (streamed) and keep this shard's; a file that cannot be a document (unreadable,
+    binary from its first bytes, too large) is sharded by its path and fails later."""
+    from klevict_cli.documents import source_sha256
 
     names = kvc_names(paths)
     sources = []
     for path in paths:
         try:
-            digest, error = hashlib.sha256(read_source(path)).hexdigest(), None
+            digest, error = source_sha256(path), None
         except DocumentError as exc:
             digest, error = None, exc
         if in_shard(digest or hashlib.sha256(path.encode()).hexdigest(), shard):
@@ -211,8 +212,9 @@ class Worker:
             blob = encode_kvc(cache, kvc)
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
             return {**record, "status": "failed", "error": type(exc).__name__, "message": str(exc)}, None
+        notes = {"notes": list(document.notes)} if document.notes else {}  # e.g. how an encoding was guessed
         return {**record, "document_tokens": result.document_tokens, "kept_entries": kept, "bytes": len(blob),
-                "seconds": round(time.perf_counter() - start, 3), "status": "ok"}, blob
+                "seconds": round(time.perf_counter() - start, 3), "status": "ok", **notes}, blob
 
 
 class LocalEngine:
@@ -312,7 +314,10 @@ def prepare_folder(folder: Path) -> None:
     from klevict_cli.files import check_destination
 
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(exist_ok=True)  # OUTDIR itself, never missing folders above it (as -o FILE creates none)
+    except FileNotFoundError:
+        raise OutputError(f"-o {folder}: the folder {folder.parent} does not exist (klevict creates OUTDIR but no"
+                          " folder above it)") from None
     except OSError as exc:
         raise OutputError(f"-o {folder}: cannot create the folder ({exc.strerror or exc})") from None
     check_destination(folder / MANIFEST, "-o")

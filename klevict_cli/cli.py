@@ -24,9 +24,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from klevict_cli import __version__
 from klevict_cli.display import Count, TextStream, json_text, shown, visible
 from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
-from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, write_stdout
+from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
-    MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
+    DTYPE_CHOICES, MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
     format_size, parse_size, parse_working_limit, resolve_device, resolve_dtype,
 )
 
@@ -74,11 +74,15 @@ CACHE_DTYPES = ("float32", "float16", "bfloat16")
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default; "
                                                "for ask, the model that made the cache), a local HF folder, a .gguf "
                                                "file or a hub id.")]
-BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: 5%, 0.05, 2048 or "
-                                                "2k (=2048). Default 10%.")]
-# Kept in step with klevict_cli.policies.POLICIES by a test (importing it here would slow down `--help`).
-METHODS = ("kl (default), kl-fisher, kl-layer, kl-reconstruct, none (the full cache), streaming, snapkv, kvzip, "
-           "kvgrad, expected_attention, observed_attention, pyramidkv, h2o, tova, value, caote, keydiff, knorm, random")
+BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: a share of the "
+                                                "streamed tokens, with % or a decimal point (5%, 0.05), or a count "
+                                                "(2048, 2k = 2048). Default 10%.")]
+# Kept in step with klevict_cli.policies.POLICIES by a test: importing it takes seconds (torch, transformers), and
+# an option must be checked, and a bad document refused, without that wait.
+METHOD_NAMES = ("kl", "kl-fisher", "kl-layer", "kl-reconstruct", "none", "streaming", "snapkv", "kvzip", "kvgrad",
+                "expected_attention", "observed_attention", "pyramidkv", "h2o", "tova", "value", "caote", "keydiff",
+                "knorm", "random")
+METHODS = ", ".join({"kl": "kl (default)", "none": "none (the full cache)"}.get(m, m) for m in METHOD_NAMES)
 MethodOpt = Annotated[str | None, typer.Option("--method", help=f"Eviction policy: {METHODS}.")]
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
@@ -120,6 +124,10 @@ def handle_errors(fn):
         except KlevictError as exc:
             say(f"error: {exc}")
             raise typer.Exit(exc.exit_code) from None
+        except BrokenPipeError:  # a result (an answer, a table) to a reader that stopped early
+            silence_stdout()
+            say(f"error: {STDOUT_NAME}: the reader closed it before the whole output was written")
+            raise typer.Exit(OutputError.exit_code) from None
         except KeyboardInterrupt:
             say("interrupted")
             raise typer.Exit(130) from None
@@ -170,13 +178,14 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     if opts.get("max_new_tokens") is not None:
         check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
     check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
-    resolve_dtype(opts["dtype"], resolve_device(opts["device"]))
+    if opts["device"] == "cpu":  # the default: no need to import torch (seconds) to know that a CPU exists
+        check_choice("dtype", opts["dtype"], DTYPE_CHOICES)
+    else:
+        resolve_dtype(opts["dtype"], resolve_device(opts["device"]))
     check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
-    from klevict_cli.policies import POLICIES
-
-    check_choice("method", opts["method"], tuple(POLICIES))
+    check_choice("method", opts["method"], METHOD_NAMES)
     top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
     check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
@@ -222,8 +231,13 @@ def read_settings(opts: dict, reconstruct_default: bool = False):
     """The reading settings the options ask for (shared by one document and a batch of them)."""
     from klevict_cli.session import ReadSettings
 
+    return ReadSettings(**read_options(opts, reconstruct_default))
+
+
+def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
+    """`read_settings`'s fields, every option checked, without importing the engine (torch, transformers)."""
     reconstruct = opts.get("reconstruct")
-    return ReadSettings(
+    return dict(
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
         budget=parse_budget(str(opts["budget"])), method=opts["method"], chunk_size=opts["chunk_size"],
@@ -236,8 +250,9 @@ def read_settings(opts: dict, reconstruct_default: bool = False):
 def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
     from klevict_cli.documents import load_document
 
+    read_options(opts, reconstruct_default)  # a bad option is exit 2 before the document is read
+    document = load_document(source)  # and a bad document exit 3 before the model or torch loads
     settings = read_settings(opts, reconstruct_default)
-    document = load_document(source)
     for line in document.notes:
         note(opts, f"note: {line}")
     session = session_for(opts)
@@ -303,6 +318,7 @@ def read_summary(result) -> dict:
     return {
         "document": {"name": result.document.name, "sha256": result.document.sha256,
                      "tokens": result.document_tokens},
+        "prefix_tokens": result.prefix_tokens,  # the chat frame's, before the document: the budget counts them too
         "method": result.settings.method,
         "budget": str(result.settings.budget),
         "budget_tokens": result.plan.budget,
@@ -374,10 +390,7 @@ def compress(
 ):
     """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout. Many
     documents: one .kvc each in OUTDIR/ and a line each in OUTDIR/manifest.jsonl, one model load, resumable."""
-    import torch
-
     from klevict_cli.batch import is_batch
-    from klevict_cli.kvc import encode_kvc, save_kvc
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
@@ -401,14 +414,18 @@ def compress(
             raise UsageError(f"-o {output} is the input document; choose another output path")
         check_destination(output, "-o")
     session, result = read_document(opts, file, reconstruct_default=True)
+    import torch
+
+    from klevict_cli.kvc import encode_kvc, save_kvc
+
     dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
     cache = session.cache_file(result, cache_dtype=dtype_)
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
     summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
-    line = (f"wrote {where}: {summary['document']['tokens']} tokens -> {result.plan.budget or 'all'} per head "
-            f"({result.settings.method}, {result.plan.mode} positions), {size / 1e6:.2f} MB, "
-            f"read in {result.seconds:.1f} s")
+    line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
+            f" frame -> {result.plan.budget or 'all'} entries per head ({result.settings.method},"
+            f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
     if opts["json"]:
         emit_json(summary)
     elif to_stdout:
@@ -458,6 +475,8 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
 
 def report_record(opts: dict, record: dict) -> None:
+    for line in record.get("notes", ()):
+        note(opts, f"note: {line}")
     if opts["json"]:
         emit_json(record)
     elif record["status"] == "failed":

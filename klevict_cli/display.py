@@ -32,6 +32,28 @@ def json_text(payload: object) -> str:
     return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
 
 
+def decode_spans(tokenizer, tokens: list[int], longest: int = 4) -> list[tuple[str, range]]:
+    """The text of `tokens` piece by piece, each piece with the range of tokens it is the text of.
+
+    A piece is one token, unless that token holds only part of a character (byte-level tokenizers split a character
+    outside their vocabulary into one token per byte, and each alone decodes to U+FFFD): then the following tokens
+    that complete it, up to `longest` in all (a UTF-8 character has at most 4 bytes), make one piece.
+    """
+    pieces: list[tuple[str, range]] = []
+    i = 0
+    while i < len(tokens):
+        end, text = i + 1, tokenizer.decode(tokens[i:i + 1])
+        if text.endswith("\ufffd"):
+            for j in range(i + 2, min(i + longest, len(tokens)) + 1):
+                longer = tokenizer.decode(tokens[i:j])
+                if not longer.endswith("\ufffd"):
+                    end, text = j, longer
+                    break
+        pieces.append((text, range(i, end)))
+        i = end
+    return pieces
+
+
 class TextStream:
     """An answer's text, released piece by piece as its tokens arrive, so that it can be printed while it is written.
 

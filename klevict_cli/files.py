@@ -2,7 +2,8 @@
 
 Every file klevict writes (`.kvc` caches, bench JSON) goes through here (and `-o -` through `write_stdout`): a temp file in the same directory, fsync,
 rename over the target, then a best-effort sync of the directory. An interrupted write leaves no debris. Only a
-regular file is ever replaced: a rename over `/dev/null`, a FIFO or a socket would destroy it.
+regular file is ever replaced: a rename over `/dev/null`, a FIFO or a socket would destroy it. A symbolic link is
+followed: its target is replaced, the link stays.
 """
 
 from __future__ import annotations
@@ -27,23 +28,53 @@ def is_stdout(path: Path | str) -> bool:
 
 
 def write_stdout(blob: bytes) -> int:
-    """Write `blob` to standard output (a pipe or a redirect; it cannot be atomic) and return its size."""
+    """Write `blob` to standard output (a pipe or a redirect; it cannot be atomic) and return its size; anything less
+    than all of it, such as a reader that stops early, is an `OutputError` saying how much was delivered.
+
+    A buffered write to a pipe whose reader has gone may return a short count instead of raising, so the count of
+    every write is checked, and the rest written again until it fails or is done.
+    """
+    stream = sys.stdout.buffer
+    view, done = memoryview(blob), 0
     try:
-        sys.stdout.buffer.write(blob)
-        sys.stdout.buffer.flush()
+        while done < len(blob):
+            written = stream.write(view[done:])
+            if not written:  # None: a non-blocking stream that would block; 0: nothing can be written
+                raise OSError(errno.EIO, "standard output takes no more data")
+            done += written
+        stream.flush()
     except OSError as exc:  # a closed pipe, a full disk behind a redirect
-        raise OutputError(f"{STDOUT_NAME}: cannot write the cache ({exc.strerror or exc})") from None
+        silence_stdout()
+        raise OutputError(f"{STDOUT_NAME}: cannot write the cache ({exc.strerror or exc}); {done:,} of its"
+                          f" {len(blob):,} bytes were written") from None
     return len(blob)
+
+
+def silence_stdout() -> None:
+    """After a write to standard output failed: point it at /dev/null, so that the flush at exit does not print
+    Python's "Exception ignored … BrokenPipeError" over the one-line error."""
+    try:
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's buffer), or already closed
+        return
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def check_destination(path: Path, flag: str) -> None:
     """Refuse, before any long work, a target that `write_atomically` must not replace or could not create.
 
-    A directory, device, FIFO or socket is a bad option (`UsageError`); a missing or read-only folder is an
-    `OutputError`. The folder is probed by creating and removing a temp file, the only test that is right for root,
-    ACLs and read-only mounts alike.
+    The rules, one per kind of path: a symbolic link is followed, and the file it points to is what is written (the
+    link stays); a directory is a bad option (`UsageError`); a device, FIFO or socket cannot be written as a file,
+    and a folder that does not exist is never created: both are an `OutputError` (exit 7), as is a read-only folder.
+    The folder is probed by creating and removing a temp file, the only test that is right for root, ACLs and
+    read-only mounts alike.
     """
     shown = f"{flag} {path}"
+    path = target_of(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -53,11 +84,12 @@ def check_destination(path: Path, flag: str) -> None:
     if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{shown} is a directory")
     if mode is not None and not stat.S_ISREG(mode):
-        raise UsageError(f"{shown} is not a regular file (a device, FIFO or socket); give a file name, or - for"
-                         " standard output")
+        raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
+                          " name, or - for standard output")
     folder = path.parent
     if not folder.is_dir():
-        raise OutputError(f"{shown}: the folder {folder} does not exist")
+        raise OutputError(f"{shown}: the folder {folder} does not exist (klevict creates no folders but a batch's"
+                          " OUTDIR)")
     try:
         fd, probe = _create_temp(path)
     except OSError as exc:
@@ -67,8 +99,17 @@ def check_destination(path: Path, flag: str) -> None:
         probe.unlink()
 
 
+def target_of(path: Path) -> Path:
+    """What writing `path` replaces: the file a symbolic link points to (followed to the end, even if it does not
+    exist yet), else `path` itself."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def write_atomically(path: Path, blob: bytes) -> None:
-    """Write `blob` to `path` atomically; raises OSError (the caller words the error for its file kind)."""
+    """Write `blob` to `path` (to the file it points to, if it is a symbolic link) atomically; raises OSError (the
+    caller words the error for its file kind)."""
+    path = target_of(path)
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -87,14 +87,17 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         return
     meta = info["metadata"]
     table = Table(title=Text(visible(str(path))), show_header=False)
-    for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "document_tokens", "next_position",
+    for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "prefix_tokens", "document_tokens",
+                "next_position",
                 "chunk_size", "cache_dtype", "source_name", "created", "klevict_version", "format_version"):
         if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
             table.add_row(key, Text(visible(meta[key])))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
-    table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} tokens kept by some head, "
-                                   f"in {info['spans']} spans")
+    prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
+    table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
+                                   f"of the chat frame, then the document's) kept by some head, in {info['spans']} "
+                                   "spans")
     console.print(table)
     layers = Table(title="kept entries per layer (per KV head)")
     layers.add_column("layer", justify="right")
@@ -118,13 +121,16 @@ LEGEND = Text.assemble("legend: ", ("kept by half the KV heads or more", "bold y
 
 
 def render_text(path: Path, kvc: KvcFile, model: str | None) -> list[tuple[str, float]]:
-    """The streamed text token by token, each piece with the share of (layer, KV head) slots that kept it."""
+    """The streamed text token by token (a character split across tokens: those tokens together), each piece with the
+    share of (layer, KV head) slots that kept it (the most that kept any of its tokens)."""
+    from klevict_cli.display import decode_spans
     from klevict_cli.models import load_model
 
     tokenizer = load_model(model, quiet=True).tokenizer
     check_vocabulary(path, kvc.tokens, len(tokenizer))
     share = kept_share(kvc).tolist()
-    return [(visible(tokenizer.decode([token]), keep="\n\t"), s) for token, s in zip(kvc.tokens.tolist(), share)]
+    return [(visible(text, keep="\n\t"), max(share[i] for i in span))
+            for text, span in decode_spans(tokenizer, kvc.tokens.tolist())]
 
 
 def styled(pieces: list[tuple[str, float]]) -> Text:

@@ -342,7 +342,7 @@ def test_compress_never_replaces_a_fifo_or_device(doc, model, tmp_path):
     """As root, `-o /dev/null` once turned the device into a regular file; a FIFO stands in for it here."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    assert_error(invoke("compress", doc, "-o", fifo, "--model", model, "--budget", "64", *FAST), 2,
+    assert_error(invoke("compress", doc, "-o", fifo, "--model", model, "--budget", "64", *FAST), 7,
                  "not a regular file")
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
@@ -814,7 +814,8 @@ def test_a_windows_1252_document_is_read_with_a_note(model, tmp_path):
     path.write_bytes(DOC_TEXT.replace("Ishmael", "Ishmaël").encode("cp1252"))
     result = invoke("summarize", path, "--model", model, *FAST, *GEN, "--json")
     assert json_out(result)["document"]["tokens"] > 64
-    assert result.stderr == f"note: {path} is not UTF-8; read it as Windows-1252 (Latin-1)\n"
+    assert result.stderr == (f"note: {path} is not UTF-8 (1 non-ASCII byte 0xeb at line 1, offset 13); read it as"
+                             " Windows-1252 (Latin-1), in which that byte is 'ë'\n")
 
 
 def test_directory_as_document(model, tmp_path):
@@ -973,6 +974,12 @@ def test_method_help_lists_every_method(command, option):
     described = text[text.index(option):]
     for name in POLICIES:
         assert f" {name}," in described or f" {name} (" in described or f" {name}." in described, name
+
+
+def test_the_method_names_checked_without_importing_the_policies_are_the_policies():
+    from klevict_cli.policies import POLICIES
+
+    assert sorted(cli.METHOD_NAMES) == sorted(POLICIES)
 
 
 def test_no_arguments_shows_help():
