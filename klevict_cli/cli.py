@@ -170,6 +170,26 @@ def _show_usage_error(self, file=None) -> None:
 click.exceptions.UsageError.show = _show_usage_error
 
 
+def _patch_argument_help() -> None:
+    """Arguments in --help as FILE... or CACHE (their metavar, with ... when several may be given), not typer's
+    `files... <list[str]>`: the help text says what an argument is, a Python type name does not."""
+    argument = getattr(typer.core, "TyperArgument", None)
+    if argument is None or not hasattr(argument, "display_type_rich") or not hasattr(argument, "_rich_display_name"):
+        return  # another typer: its own display, harmless
+    plain_type, plain_name = argument.display_type_rich, argument._rich_display_name
+
+    def display_type(self, ctx):
+        return None if self.metavar else plain_type(self, ctx)
+
+    def display_name(self):
+        return self.metavar + ("..." if self.nargs != 1 else "") if self.metavar else plain_name(self)
+
+    argument.display_type_rich, argument._rich_display_name = display_type, display_name
+
+
+_patch_argument_help()
+
+
 def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     opts = merge_options(cli, load_config(config), DEFAULTS)
     if opts.get("chunk_size") is not None:
@@ -339,7 +359,7 @@ def emit_json(payload: dict) -> None:
 @app.command()
 @handle_errors
 def summarize(
-    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.", metavar="FILE")],
     prompt: Annotated[str | None, typer.Option("--prompt", help="Instruction after the document.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
@@ -369,7 +389,7 @@ def summarize(
 def compress(
     files: Annotated[list[str], typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin; or several "
                                                "documents, folders and globs ('docs/*.md') for a batch into -o "
-                                               "OUTDIR/.", show_default=False)],
+                                               "OUTDIR/.", show_default=False, metavar="FILE")],
     output: Annotated[str | None, typer.Option("--output", "-o", help="Where to write the .kvc file; - (or "
                                                "/dev/stdout) writes it to standard output. For a batch, a folder "
                                                "(OUTDIR/): one .kvc per document plus manifest.jsonl.")] = None,
@@ -502,8 +522,9 @@ def check_stdout_for_binary(opts: dict) -> None:
 def ask(
     cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
                                                       "a folder of them (a batch's OUTDIR/): one result per cache.",
-                                                      show_default=False)],
-    question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.")],
+                                                      show_default=False, metavar="CACHE")],
+    question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.",
+                                            metavar="QUESTION")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
     repetition_penalty: RepeatOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
@@ -608,7 +629,7 @@ def _questions(question: str) -> list[str]:
 @app.command()
 @handle_errors
 def inspect(
-    cache_file: Annotated[Path, typer.Argument(help="A .kvc file.")],
+    cache_file: Annotated[Path, typer.Argument(help="A .kvc file.", metavar="CACHE")],
     text: Annotated[bool, typer.Option("--text", help="Render the document with the kept spans highlighted.")] = False,
     html_path: Annotated[Path | None, typer.Option("--html", help="Also write one self-contained HTML page: the "
                                                    "document with each token shaded by the share of heads that "
@@ -631,7 +652,7 @@ def inspect(
 @app.command()
 @handle_errors
 def bench(
-    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.")],
+    file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.", metavar="FILE")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods, or all (every method but "
                                          "none, which is always measured as the reference); methods: "
                                          f"{METHODS}.")] = "all",

@@ -502,13 +502,13 @@ def _check_expected(path: Path, metadata: dict[str, str], expect: dict[str, str]
         made = metadata.get("model_id", "an unknown model")
         what = "architecture (config)" if "model_config_sha256" in wrong else "weights"
         if made == using:  # pointing at the same name again would not help: it now holds another model
-            changed = "has changed" if "model_config_sha256" in wrong else "have changed"
-            raise _error(path, f"this cache was made by model {_show(made)}, whose {what} {changed} since"
-                               " (another version of it?) — recompress it with the model as it is now")
+            changed = "its architecture (config) has" if "model_config_sha256" in wrong else "its weights have"
+            raise _error(path, f"this cache was made by model {_show(made)}, and {changed} changed since then"
+                               " (another version of it?) — recompress the document with the model as it is now")
         raise _error(
             path,
-            f"this cache was made by model {_show(made)}, whose {what} differ from the model you are using"
-            f" — recompress with this model or pass --model {_show(made)}",
+            f"this cache was made by model {_show(made)}, whose {what} {'differ' if what == 'weights' else 'differs'}"
+            f" from the model you are using — recompress with this model or pass --model {_show(made)}",
         )
     if "tokenizer_sha256" in wrong:
         made = _show(metadata.get("tokenizer_sha256", "unknown"))[:12]

@@ -361,3 +361,32 @@ def test_compress_and_inspect_say_the_budget_counts_the_chat_frame(tiny_model_di
     text = " ".join(shown.stdout.replace("│", " ").split())  # the table's cells, unwrapped
     assert f"prefix_tokens {frame}" in text and f"document_tokens {tokens}" in text
     assert f"of {tokens + frame} streamed tokens ({frame} of the chat frame, then the document's)" in text
+
+
+# ---- 8. help and messages --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "shown"), [("compress", "FILE..."), ("ask", "CACHE..."), ("ask", "QUESTION"),
+                                                ("inspect", "CACHE"), ("summarize", "FILE"), ("bench", "FILE")])
+def test_help_names_arguments_without_python_type_names(command, shown):
+    from .test_cli import assert_ok, invoke
+
+    result = invoke(command, "--help")
+    assert_ok(result)
+    arguments = result.stdout.split("Arguments:")[1].split("Options:")[0]
+    assert f"  {shown}  " in arguments
+    assert "<list[" not in result.stdout and "<str>" not in arguments and "<path>" not in arguments
+
+
+@pytest.mark.parametrize(("wrong", "using", "needle"), [
+    ("model_weights_sha256", "m", "made by model m, and its weights have changed since then (another version of"),
+    ("model_config_sha256", "m", "made by model m, and its architecture (config) has changed since then"),
+    ("model_config_sha256", "other", "made by model m, whose architecture (config) differs from the model you"),
+    ("model_weights_sha256", "other", "made by model m, whose weights differ from the model you are using"),
+])
+def test_a_cache_from_another_model_is_refused_in_grammatical_english(wrong, using, needle):
+    from klevict_cli import kvc
+    from klevict_cli.errors import CacheFileError
+
+    metadata = {"model_id": "m", "model_config_sha256": "a", "model_weights_sha256": "b"}
+    with pytest.raises(CacheFileError) as info:
+        kvc._check_expected(Path("x.kvc"), metadata, {**metadata, wrong: "changed"}, using)
+    assert needle in str(info.value)
