@@ -180,7 +180,9 @@ def test_refitting_the_kept_values_changes_values_only(family):
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2), device="cpu").tolist()
     caches = {}
     for refit in ("never", "final"):
-        engine = Engine(model, adapter, KL(refit=refit, refit_up_to=1.0), budget=20, chunk_size=16, probe_window=8)
+        policy = KL(refit=refit)
+        policy.refit_up_to = 1.0
+        engine = Engine(model, adapter, policy, budget=20, chunk_size=16, probe_window=8)
         stream = engine.new_stream()
         engine.feed(stream, ids)
         caches[refit] = stream.cache

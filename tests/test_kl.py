@@ -247,7 +247,9 @@ def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_record
     model = tiny_llama(seed=4)
     torch.manual_seed(4)
     ids = torch.randint(0, 300, (96,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(calibration_rows=4), budget=None, chunk_size=40)
+    kl = KL()
+    kl.calibration_rows = 4
+    engine = Engine(model, adapter_for(model), kl, budget=None, chunk_size=40)
     layers = list(range(len(model.model.layers)))
     steps, grads = {}, {}
     for rows in (16, 4):
@@ -285,46 +287,12 @@ def test_the_calibration_samples_the_last_probes_as_if_only_they_had_been_record
     assert steps[16].split_probes(16) == (None, steps[16])
 
 
-def test_many_probes_are_read_with_fewer_directions_each_and_calibrated_at_that_rank():
-    """kl's direct path reads at most `readout_directions` directions per eviction (probes × rank): a step with 16
-    probes is scored at rank 2 where 8 probes get the full rank 4; a calibration on such a step scores its sample
-    at the step's rank, so the ratios fit the scores they scale."""
-    model = tiny_llama(seed=4)
-    torch.manual_seed(4)
-    ids = torch.randint(0, 300, (96,)).tolist()
-    kl = KL(rank=4, readout_directions=32, calibration_rows=4)
-    engine = Engine(model, adapter_for(model), kl, budget=None, chunk_size=40)
-    layers = list(range(len(model.model.layers)))
-    stream = engine.new_stream()
-    engine.feed(stream, ids[:80])
-    logits, ctx = engine.forward(stream, ids[80:], probe_rows=16)
-    step = engine.eviction_step(stream, ctx, logits, 16)
-    assert [kl.rank_for(step.last_probes(n)) for n in (16, 12, 8, 4)] == [2, 2, 4, 4]
-    assert KL(rank=4, readout_directions=8).rank_for(step) == 1  # never below one direction
-    with torch.inference_mode():
-        at2, at4 = kl.direct_scores(step, layers, 2), kl.direct_scores(step, layers, 4)
-        sample = step.last_probes(4)
-        engine.generator.manual_seed(0)
-        expected = calibration_ratios(kl.direct_scores(sample, layers, 2), kl.fisher_scores(sample, layers), step,
-                                      per_head=True)
-        engine.generator.manual_seed(0)
-        calibrated = kl.probe_scores(step, layers)  # calibrates: the sample scored at rank 2
-        adopted = kl.probe_scores(step, layers)  # the ratios now known: no calibration
-    for i in layers:
-        assert not torch.allclose(at2[i], at4[i])
-        torch.testing.assert_close(kl.calibration[i], expected[i])
-        torch.testing.assert_close(calibrated[i], at2[i] * expected[i][:, None])
-        torch.testing.assert_close(adopted[i], at2[i] * expected[i][:, None])
-
-
-@pytest.mark.parametrize("final_propagation", ["direct", "fisher"])
-def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_backward_pass(monkeypatch,
-                                                                                         final_propagation):
-    """kl reads with the calibrated direct path; the read's last eviction (what a saved cache keeps) uses the
-    `final_propagation`; decoding never runs a backward pass."""
+def test_only_the_calibration_pays_for_a_backward_pass(monkeypatch):
+    """kl reads with the calibrated direct path: one backward pass, at the first eviction, learns the calibration;
+    no later eviction of the read, and no eviction while decoding, runs one."""
     model = tiny_llama(seed=3)
     ids = torch.randint(0, 300, (200,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(final_propagation=final_propagation), budget=30, chunk_size=40,
+    engine = Engine(model, adapter_for(model), KL(), budget=30, chunk_size=40,
                     probe_window=8, working=0)  # working limit budget + one chunk: an eviction after every chunk
     evictions, backward = [], []
     score_layers, fisher_scores = KL.score_layers, KL.fisher_scores
@@ -335,7 +303,7 @@ def test_only_the_calibration_and_the_last_eviction_of_a_read_may_pay_for_a_back
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert evictions == [False] * 4 + [True]  # one per 40-token chunk; only the last is final
-    expected = [False] + ([True] if final_propagation == "fisher" else [])  # the first eviction calibrates
+    expected = [False]  # the first eviction calibrates
     assert backward == expected
     for _ in engine.generate(stream, [1, 2, 3], max_new_tokens=40, stop_ids=set(), slack=8):
         pass
@@ -493,7 +461,8 @@ def _copy_scores(chunk_size: int, ids: list[int], seed: int = 5, seen: list | No
     `chunk_size`, with nothing evicted; `seen` collects what the policy observed (layer, query, key, positions,
     scaling, lse)."""
     model = tiny_llama(seed=seed)
-    kl = KL(copy_share=0.5, copy_distance=100)
+    kl = KL(copy_share=0.5)
+    kl.copy_distance = 100
     engine = Engine(model, adapter_for(model), kl, budget=None, chunk_size=chunk_size)
     if seen is not None:
         observe = kl.observe
@@ -549,7 +518,8 @@ def test_without_a_rereading_the_copy_share_of_the_budget_goes_to_the_best_copy_
     ids = torch.randint(0, 300, (96,)).tolist()
     model = tiny_llama(seed=7)
     estimates = _copy_scores(512, ids, seed=7)
-    kl = KL(copy_share=0.5, copy_distance=100, lookahead=8)
+    kl = KL(copy_share=0.5, lookahead=8)
+    kl.copy_distance = 100
     engine = Engine(model, adapter_for(model), kl, budget=24, chunk_size=512, probe_window=4)
     stream = engine.new_stream()
     engine.feed(stream, ids)

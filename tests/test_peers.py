@@ -162,13 +162,13 @@ def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
 
 
 def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
-    """With a re-reading, `reread_drafts` of the look-ahead is sampled (the question share is the re-reading's), and
-    only where the last choice keeps at most `reread_drafts_up_to` of the document; without one, all of it,
-    whatever is kept; drafted in one forward from the read's own predictions without a re-reading, in two (one
+    """With a re-reading, the look-ahead is sampled only where the last choice keeps at most `reread_drafts_up_to` of
+    the document; without one, whatever is kept; drafted in one forward from the read's own predictions without a re-reading, in two (one
     Jacobi round more) with one. The drafts are forgotten either way."""
     ids = torch.randint(0, 300, (90,)).tolist()
-    for source, budget, drafted in ((reconstruction(), 12, 4), (reconstruction(), 20, 0), (None, 20, 8)):
-        policy = KL(lookahead=8, reread_drafts=0.5, reread_drafts_up_to=0.15)
+    for source, budget, drafted in ((reconstruction(), 12, 8), (reconstruction(), 20, 0), (None, 20, 8)):
+        policy = KL(lookahead=8)
+        assert policy.reread_drafts_up_to == 0.15
         engine = Engine(model, adapter_for(model), policy, budget=budget, chunk_size=32, probe_window=8,
                         reconstruction=source)
         assert engine.draft_count(len(ids)) == drafted
@@ -183,7 +183,8 @@ def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(mo
 
 
 def test_kl_refits_without_a_re_reading_only_where_it_keeps_little():
-    policy = KL(refit="final", refit_up_to=0.15)
+    policy = KL(refit="final")
+    assert policy.refit_up_to == 0.15
     assert policy.refits(final=True, kept_fraction=0.1, reread=False)
     assert not policy.refits(final=True, kept_fraction=0.2, reread=False)
     assert policy.refits(final=True, kept_fraction=0.5, reread=True)

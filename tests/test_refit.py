@@ -111,8 +111,9 @@ def test_the_ridge_trades_the_fit_for_staying_near_the_original_values():
 
 def _read(refit: str, ids: list[int]):
     model = tiny_llama(seed=3)
-    engine = Engine(model, adapter_for(model), KL(lookahead=8, refit=refit, refit_up_to=1.0), budget=12, chunk_size=16,
-                    probe_window=4)
+    policy = KL(lookahead=8, refit=refit)
+    policy.refit_up_to = 1.0
+    engine = Engine(model, adapter_for(model), policy, budget=12, chunk_size=16, probe_window=4)
     stream = engine.new_stream()
     engine.feed(stream, ids)
     return stream, engine

@@ -11,8 +11,7 @@ budget is allocated globally by one top-k. Two propagations from a layer's head 
     the most faithful, and the most expensive (one batched backward pass of the probes per eviction). By default
     the re-run recomputes the probes' own keys and values (`probes="live"`), so an early probe's change reaches the
     later probes as an eviction reaches the tokens after it; the probes are then summed inside the square.
-The default scores with `direct` throughout; `final_propagation="fisher"` scores the read's last eviction (what the
-saved cache and every question will see) with the Fisher path instead.
+The default scores with `direct` throughout (`kl-fisher`: Fisher throughout).
 
 Without a re-reading (`summarize`), part of the budget goes to the entries a re-reading of the document would need
 most, estimated from the read's own queries (`observe`, kernels/attention_rules.py `copy_attention`): what a
@@ -22,8 +21,8 @@ asks of it. With a re-reading (`compress`) the re-reading itself decides that sh
 The last eviction's probes are not the last tokens read but `lookahead` tokens the engine samples past the end of
 the read (probes.Drafts) and forgets afterwards: the cache must serve the text that follows, and the model's own
 sample of it asks for what that text will ask for. With those probes the direct and Fisher paths keep equally good
-caches, so the default pays for one backward pass per document (the calibration), not two. The scoring's work grows
-with probes × readout directions, so more than 64 probes are read with fewer than 4 directions each.
+caches, so the default pays for no backward pass where the model's calibration is shipped, one per document where
+it is not.
 """
 
 from __future__ import annotations
@@ -58,39 +57,45 @@ class KL(Policy):
     # kept, 1.2x worse at 10 %, on the tuning windows (docs/research-log.md, "a cheap re-reading")
     reconstruction_sees = "span"
     # Spans of 256 rather than 128: fewer repeat instructions to read (about 4,300 tokens re-read for a 4,096-token
-    # document instead of 4,950) in larger forwards; with 64 drafts (`reread_drafts`) they cut `compress`'s cost
+    # document instead of 4,950) in larger forwards; with 64 drafts they cut `compress`'s cost
     # by about 0.3-0.5x a read at the same KL on the tuning windows (docs/research-log.md)
     reconstruction_span = 256
     EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
     QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
     COPY_EXTRA = "kl_copy"  # per entry: the attention a re-reading's copying query would pay it, from the read itself
 
+    # Constants, each set by a measurement on the tuning windows (docs/research-log.md); a subclass may change them.
+    # Where the document is re-read too, drafts probe the read's last choice only where it keeps at most this part of
+    # the document: above it the question share and the refit to the last tokens read did nearly as well (1.1-1.4x
+    # the KL at 20/50 %, still far below KVgrad's at 50 %) for about 0.3x a read less.
+    reread_drafts_up_to = 0.15
+    # Without a re-reading, refit only where the read's last choice keeps at most this part of the document: the
+    # refit's Gram products grow with the kept entries and cost about 0.1x a read at 20-50 % kept, for 3-4 % less
+    # KL there (5-12 % at 10/5 %); with a re-reading it is worth 1.6-1.7x at 20-50 % and always runs.
+    refit_up_to = 0.15
+    # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample of
+    # probes, not every draft (a read kept whole until its last eviction calibrates on drafts).
+    calibration_rows = 32
+    # The copy estimate moves the read's queries this many positions on (at most half the model's positions), where
+    # a re-reading of a document would ask them: not moving them was 2x worse than the look-ahead alone at 50 %;
+    # moving them by the read's own length instead was within noise at 512 tokens (0.99x).
+    copy_distance = 4096
+
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
-                 samples: int = 2, calibrate: bool = True, final_propagation: str = "direct",
-                 calibrate_per: str = "head", probes: str = "live", lookahead: int = 64, reread_drafts: float = 1.0,
-                 reread_drafts_up_to: float = 0.15, reconstruction_weight: float = 0.0, reconstruction_rank: int = 4,
-                 question_share: float = 0.6,
-                 refit: str = "final", refit_ridge: float = 0.1, refit_up_to: float = 0.15,
-                 reconstruction_power: float = 4.0,
-                 question_scores: str = "attention", calibration_rows: int = 32, readout_directions: int = 256,
-                 copy_share: float = 0.3, copy_distance: int = 4096):
+                 samples: int = 2, calibrate: bool = True, probes: str = "live", lookahead: int = 64,
+                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, reconstruction_power: float = 4.0,
+                 question_share: float = 0.6, question_scores: str = "attention", refit: str = "final",
+                 copy_share: float = 0.3):
         self.propagation = propagation
         self.allocation = allocation
         self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
-        self.final_propagation = final_propagation
-        self.calibrate_per = calibrate_per  # "layer" or "head"
         if probes not in ("live", "frozen"):
             raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
         self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
         # 64 drafts: with the copy share below they kept the same KL as 128 on the tuning windows (1.06x / 0.96x /
-        # 0.99x / 0.89x at 50 / 20 / 10 / 5 % kept) for half the drafting (docs/research-log.md)
+        # 0.99x / 0.89x at 50 / 20 / 10 / 5 % kept) for half the drafting (docs/research-log.md); fewer for short
+        # reads (32 at 512 tokens) were 1.4-1.9x worse on Hamlet
         self.lookahead = lookahead
-        # Of those drafts, the part sampled when the document is also re-read (64 of 128 kept the same KL there)
-        self.reread_drafts = reread_drafts
-        # ... and only where the read's last choice keeps at most this part of the document: above it the question
-        # share and the refit to the last tokens read did nearly as well (1.1-1.4x the KL at 20/50 %, still far
-        # below KVgrad's at 50 % on the tuning windows) for about 0.3x a read less (docs/research-log.md)
-        self.reread_drafts_up_to = reread_drafts_up_to
         self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
         self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
         # Of the budget, kept for the entries the re-reading needs most (only where there was a re-reading, as in
@@ -102,28 +107,14 @@ class KL(Policy):
         self.question_scores = question_scores  # "most needed": by the re-reading's KL, or its attention (KVzip)
         if refit not in ("never", "final", "always"):
             raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
-        self.refit, self.refit_ridge = refit, refit_ridge
-        # Without a re-reading, refit only where the read's last choice keeps at most this part of the document: the
-        # refit's Gram products grow with the kept entries and cost about 0.1x a read at 20-50 % kept, for 3-4 % less
-        # KL there (5-12 % at 10/5 %); with a re-reading it is worth 1.6-1.7x at 20-50 % and always runs
-        self.refit_up_to = refit_up_to
+        self.refit = refit
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
         self.adopted: dict[int, torch.Tensor] | None = None  # the model's calibration, where adopted (`adopt`)
-        # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample
-        # of probes, not every draft (a read kept whole until its last eviction calibrates on drafts).
-        self.calibration_rows = calibration_rows
-        # The direct path's readout directions per eviction (probes × rank) are at most this many: the scoring's
-        # work grows with both, so a choice probed by 128 drafts would read 2 directions per probe instead of 4
-        # (with 128 drafts that cut `summarize`'s cost at 50 % kept from 1.38x to 1.26x a read for 1.04-1.10x the KL
-        # there); the 64 drafts and 32 probe rows of the default keep rank 4 (docs/research-log.md)
-        self.readout_directions = readout_directions
         # Without a re-reading, the part of the budget kept for the entries a re-reading would need most, as the read's
         # own queries estimate it (`observe`): on the tuning windows a share of 30 % made the KL of the text that
         # follows 0.12x / 0.25x / 0.40x / 0.63x the look-ahead's alone at 50 / 20 / 10 / 5 % kept (3 of 3 windows
-        # each; 15 % and 60 % did as well or a little worse), at no measurable cost (docs/research-log.md). The
-        # queries are moved `copy_distance` positions on (at most half the model's positions), where a re-reading
-        # of a document would ask them: not moving them was 2x worse than the look-ahead alone at 50 %.
-        self.copy_share, self.copy_distance = copy_share, copy_distance
+        # each; 15 % and 60 % did as well or a little worse), at no measurable cost (docs/research-log.md).
+        self.copy_share = copy_share
         self.observes = copy_share > 0
         # per layer: (the next position, the query and lse of the last token read), for the next forward's first entry
         self._last_query: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -179,16 +170,14 @@ class KL(Policy):
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
                 "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
-                "final_propagation": self.final_propagation, "calibrate_per": self.calibrate_per, "probes": self.probes,
-                "lookahead": str(self.lookahead), "reread_drafts": str(self.reread_drafts),
+                "probes": self.probes, "lookahead": str(self.lookahead),
                 "reread_drafts_up_to": str(self.reread_drafts_up_to), "refit_up_to": str(self.refit_up_to),
                 "reconstruction_weight": str(self.reconstruction_weight),
                 "reconstruction_power": str(self.reconstruction_power),
                 "reconstruction_rank": str(self.reconstruction_rank),
                 "question_share": str(self.question_share), "question_scores": self.question_scores,
-                "calibration_rows": str(self.calibration_rows), "readout_directions": str(self.readout_directions),
-                "copy_share": str(self.copy_share), "copy_distance": str(self.copy_distance),
-                "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
+                "calibration_rows": str(self.calibration_rows), "copy_share": str(self.copy_share),
+                "copy_distance": str(self.copy_distance), "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
     def draft_rounds(self, reread: bool) -> int:
         """One round where the document is not re-read: the drafts are then the read's own predictions of its last
@@ -202,7 +191,7 @@ class KL(Policy):
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
         if not reread:
             return self.lookahead
-        return round(self.lookahead * self.reread_drafts) if kept_fraction <= self.reread_drafts_up_to else 0
+        return self.lookahead if kept_fraction <= self.reread_drafts_up_to else 0
 
     def refits(self, final: bool, kept_fraction: float | None, reread: bool) -> bool:
         fraction = 0.0 if kept_fraction is None else kept_fraction
@@ -297,25 +286,18 @@ class KL(Policy):
                 layer.extras[self.QUESTION_EXTRA] = torch.maximum(layer.extra(self.QUESTION_EXTRA), attention)
 
     def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
-        if (self.final_propagation if step.final else self.propagation) == "fisher":
+        if self.propagation == "fisher":
             return self.fisher_scores(step, layer_ids)
-        rank = self.rank_for(step)  # the whole step's, also for a calibration's sample: the ratios fit the scores
         if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
             # changes nothing inside a layer, so only global allocation needs it. The sample's direct scores are
             # part of the whole's: scored once, apart from the other probes.
             others, sample = step.split_probes(self.calibration_rows)
-            direct = self.direct_scores(sample, layer_ids, rank)
-            scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids, rank), direct)
-            self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step,
-                                                  per_head=self.calibrate_per == "head")
+            direct = self.direct_scores(sample, layer_ids)
+            scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids), direct)
+            self.calibration = calibration_ratios(direct, self.fisher_scores(sample, layer_ids), step, per_head=True)
         else:
-            scores = self.direct_scores(step, layer_ids, rank)
+            scores = self.direct_scores(step, layer_ids)
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
-
-    def rank_for(self, step: EvictionStep) -> int:
-        """The direct readout's rank for this step's probes: `rank`, or less where the probes are so many that
-        probes × rank would exceed `readout_directions` (never below 1)."""
-        return max(1, min(self.rank, self.readout_directions // max(1, len(step.probe_positions))))
 
     def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
                       ) -> Mapping[int, torch.Tensor]:
