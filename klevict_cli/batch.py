@@ -162,17 +162,47 @@ def cache_paths(args: Iterable[Path]) -> list[Path]:
 # ---- the worker: bytes in, .kvc bytes out ----------------------------------------------------------------------
 def settings_key(opts: dict, identity: dict[str, str]) -> str:
     """What must match for an existing `.kvc` to count as done: every reading setting and the model's identity."""
-    from klevict_cli.cli import read_settings
+    return json.dumps({**_settings(opts), **identity}, sort_keys=True)
 
-    settings = read_settings(opts, reconstruct_default=True)
-    key = {
-        "budget": str(settings.budget), "method": settings.method, "chunk_size": settings.chunk_size,
-        "probe_window": settings.probe_window, "position_mode": settings.position_mode, "seed": settings.seed,
-        "working": str(settings.working), "reconstruct": settings.reconstruct,
-        "max_new_tokens": settings.max_new_tokens, "max_memory": settings.max_memory,
-        "cache_dtype": opts.get("cache_dtype"), **identity,
+
+def quick_key(opts: dict) -> str | None:
+    """What lets a re-run skip a document without loading the model (seconds of imports and loading): every reading
+    setting, the model as named, and the size and mtime of each of its files. Only for a model that is a local
+    folder or file (None otherwise); a changed file, or any other doubt, falls back to `settings_key`."""
+    stamp = model_stamp(opts.get("model"))
+    return None if stamp is None else json.dumps({**_settings(opts), "model": opts["model"], "files": stamp},
+                                                 sort_keys=True)
+
+
+def _settings(opts: dict) -> dict:
+    from klevict_cli.cli import read_options  # no torch: the options checked, nothing loaded
+
+    settings = read_options(opts, reconstruct_default=True)
+    return {
+        "budget": str(settings["budget"]), "method": settings["method"], "chunk_size": settings["chunk_size"],
+        "probe_window": settings["probe_window"], "position_mode": settings["position_mode"],
+        "seed": settings["seed"], "working": str(settings["working"]), "reconstruct": settings["reconstruct"],
+        "max_new_tokens": settings["max_new_tokens"], "max_memory": settings["max_memory"],
+        "cache_dtype": opts.get("cache_dtype"),
     }
-    return json.dumps(key, sort_keys=True)
+
+
+def model_stamp(spec: str | None) -> list | None:
+    """The path, size and mtime of a local model's files (hidden files aside: klevict keeps its weight digests in
+    one), or None for a packaged alias, a hub id or anything unreadable."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    try:
+        if path.is_file():
+            info = path.stat()
+            return [str(path.resolve()), info.st_size, info.st_mtime_ns]
+        if path.is_dir():
+            files = sorted((p.name, p.stat()) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+            return [str(path.resolve()), *([name, info.st_size, info.st_mtime_ns] for name, info in files)]
+    except OSError:
+        return None
+    return None
 
 
 class Worker:
@@ -187,6 +217,7 @@ class Worker:
         self.settings = read_settings(opts, reconstruct_default=True)
         check_session(self.session, self.settings)
         self._key = settings_key(opts, self.session.identity())
+        self._quick = quick_key(opts)
 
     def key(self) -> str:
         return self._key
@@ -208,7 +239,7 @@ class Worker:
             cache = self.session.cache_file(result, cache_dtype=dtype)
             kept = sum(sum(c) for c in result.stream.cache.kept_counts())
             cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self._key,
-                                  kept_entries=str(kept))
+                                  kept_entries=str(kept), **({"batch_quick": self._quick} if self._quick else {}))
             blob = encode_kvc(cache, kvc)
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
             return {**record, "status": "failed", "error": type(exc).__name__, "message": str(exc)}, None
@@ -218,11 +249,22 @@ class Worker:
 
 
 class LocalEngine:
-    """The batch in this process: one model load, documents one after another in input order."""
+    """The batch in this process: one model load, documents one after another in input order. The model is loaded
+    when first needed: a re-run whose documents are all done (`quick_key`) never loads it."""
 
     def __init__(self, opts: dict, on_tokens: Callable[[str, int, int], None] | None = None):
-        self.worker = Worker(opts)
+        self.opts = opts
+        self._worker: Worker | None = None
         self.on_tokens = on_tokens
+
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            self._worker = Worker(self.opts)
+        return self._worker
+
+    def quick_key(self) -> str | None:
+        return quick_key(self.opts)
 
     def key(self) -> str:
         return self.worker.key()
@@ -294,16 +336,19 @@ class Manifest:
             raise OutputError(f"{self.path}: cannot write it ({exc.strerror or exc})") from None
 
 
-def finished(folder: Path, source: Source, key: str) -> dict | None:
+def finished(folder: Path, source: Source, key: Callable[[], str], quick: str | None = None) -> dict | None:
     """The manifest record of `source`'s existing `.kvc` if it was made from the same bytes with the same settings
-    and model, else None (then the document is read again)."""
+    and model, else None (then the document is read again). The model's identity (`key()`, which loads the model)
+    is asked for only when the file does not match `quick` (see `quick_key`)."""
     from klevict_cli.kvc import read_metadata
 
     try:
         meta = read_metadata(folder / source.kvc)
     except KlevictError:
         return None
-    if meta.get("source_file_sha256") != source.sha256 or meta.get("batch_settings") != key:
+    if meta.get("source_file_sha256") != source.sha256:
+        return None
+    if not (quick is not None and meta.get("batch_quick") == quick) and meta.get("batch_settings") != key():
         return None
     return {"source": source.path, "source_sha256": source.sha256, "kvc": source.kvc,
             "document_tokens": int(meta.get("document_tokens", 0)), "kept_entries": int(meta.get("kept_entries", 0)),
@@ -331,13 +376,13 @@ def run_batch(sources: list[Source], folder: Path, engine,
     from klevict_cli.files import write_atomically
 
     manifest = Manifest(folder)
-    key = engine.key()
+    quick = engine.quick_key() if hasattr(engine, "quick_key") else None
     counts = {"ok": 0, "skipped": 0, "failed": 0}
     todo = []
     for source in sources:
         if source.error is not None:
             record = failed(source, source.error)
-        elif (record := finished(folder, source, key)) is not None:
+        elif (record := finished(folder, source, engine.key, quick)) is not None:
             if (source.kvc, source.sha256) not in manifest.done:  # written, then interrupted before its line
                 manifest.add(record)
             record = {**record, "status": "skipped"}

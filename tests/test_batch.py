@@ -8,6 +8,7 @@ order; `ask OUTDIR/` answers from every cache with one model load.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -237,3 +238,35 @@ def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
 
 def test_ask_a_folder_without_caches_is_a_bad_cache(tmp_path):
     assert_error(invoke("ask", tmp_path, "Who?"), 4, "no .kvc files")
+
+
+def test_rerunning_a_finished_batch_skips_every_document_without_loading_the_model(corpus, model, tmp_path,
+                                                                                   monkeypatch):
+    import shutil
+
+    local_model = tmp_path / "model"
+    shutil.copytree(model, local_model)
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", local_model, *FAST_BATCH]
+    assert_ok(invoke(*args))
+    loads = []
+    real_worker = batch.Worker
+    monkeypatch.setattr(batch, "Worker", lambda opts: loads.append(opts) or real_worker(opts))
+    again = invoke(*args, "--json")
+    assert_ok(again)
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+    assert loads == []  # the manifest and the caches decided it; the model was never loaded
+    weights = next(p for p in local_model.iterdir() if p.suffix == ".safetensors")
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched, not changed
+    touched = invoke(*args, "--json")
+    assert [json.loads(line)["status"] for line in touched.stdout.splitlines()] == ["skipped", "skipped"]
+    assert len(loads) == 1  # in doubt, the model is loaded and its identity decides, as before
+
+
+def test_a_batch_records_and_shows_how_a_document_was_decoded(corpus, model, tmp_path):
+    (corpus / "doc0.txt").write_bytes(b"Caf\xe9 ships counted on Monday.")
+    out = tmp_path / "out"
+    result = invoke("compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH)
+    assert_ok(result)
+    assert "is not UTF-8 (1 non-ASCII byte 0xe9 at line 1, offset 3); read it as Windows-1252" in result.stderr
+    assert "read it as Windows-1252" in manifest(out)[0]["notes"][0]
