@@ -194,6 +194,13 @@ def reconstruction_columns(step: EvictionStep, layer_idx: int) -> tuple[torch.Te
     return columns, inside, judged
 
 
+def values_at(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """(H, n, Dv): the values at each KV head's `columns` (H_kv, n). MLA's values come one set per query head
+    (H = Hq): each takes its KV group's columns."""
+    index = columns.repeat_interleave(values.shape[0] // columns.shape[0], dim=0)
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+
+
 def spread(layer: LayerCache, columns: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """(H_kv, n) scores of the entries at `columns` as an (H_kv, C) tensor over the layer's columns (0 elsewhere)."""
     return torch.zeros(layer.valid.shape, dtype=scores.dtype, device=scores.device).scatter_add_(1, columns, scores)

@@ -36,7 +36,7 @@ import torch
 from klevict_kernels.attention_rules import copy_attention, restricted_max_attention
 from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
 from klevict_cli.cache import LayerStack, Stacked, mask_columns, pad_stack
-from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconstruction_columns, spread
+from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconstruction_columns, spread, values_at
 
 RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
 STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores' work tensor, on a CPU / a GPU
@@ -359,9 +359,7 @@ class KL(Policy):
             per_query = columns.repeat_interleave(weights.shape[0] // kv_heads, dim=0)
             weights = weights.gather(2, per_query[:, None, :].expand(-1, weights.shape[1], -1))
         judged = present & judged_mask(layer, step.judged).gather(1, columns)
-        values = layer.values  # (H_kv, C, Dv), or per query head for MLA
-        index = columns.repeat_interleave(values.shape[0] // kv_heads, dim=0)
-        values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+        values = values_at(layer.values, columns)
         scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes,
                            block_bytes=block_bytes(values)) * judged
         return spread(layer, columns, scores)

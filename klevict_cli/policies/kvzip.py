@@ -14,7 +14,7 @@ import torch
 
 from klevict_kernels.attention_rules import input_times_gradient, restricted_max_attention
 from klevict_kernels.output_rules import projected_value_norm
-from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread
+from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread, values_at
 
 
 class KVzip(Policy):
@@ -55,10 +55,8 @@ class KVgrad(KVzip):
 
     def span_scores(self, step: EvictionStep, layer_idx: int, columns: torch.Tensor, inside: torch.Tensor,
                     judged: torch.Tensor) -> torch.Tensor:
-        probe, values = step.probes[layer_idx], step.cache.layers[layer_idx].values
-        per_query = columns.repeat_interleave(probe.weights.shape[0] // columns.shape[0], dim=0)
-        index = columns if values.shape[0] == columns.shape[0] else per_query  # MLA: values per query head
-        values = values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+        probe = step.probes[layer_idx]
+        values = values_at(step.cache.layers[layer_idx].values, columns)
         weight = step.adapter.output_projection(layer_idx).weight
         values = projected_value_norm(values, weight, probe.weights.shape[0])
         return input_times_gradient(probe.weights, inside, judged, self._gradient_norms[layer_idx], values)
