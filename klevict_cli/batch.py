@@ -175,7 +175,7 @@ def quick_key(opts: dict) -> str | None:
 
 
 def _settings(opts: dict) -> dict:
-    from klevict_cli.cli import read_options  # no torch: the options checked, nothing loaded
+    from klevict_cli.reading import read_options  # no torch: the options checked, nothing loaded
 
     settings = read_options(opts, reconstruct_default=True)
     return {
@@ -210,7 +210,7 @@ class Worker:
     mid-document leaves nothing behind."""
 
     def __init__(self, opts: dict):
-        from klevict_cli.cli import check_session, read_settings, session_for
+        from klevict_cli.reading import check_session, read_settings, session_for
 
         self.opts = opts
         self.session = session_for(opts)

@@ -6,7 +6,6 @@ Every option may also come from `--config klevict.yaml`; the command line wins. 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -23,12 +22,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
 from klevict_cli.display import Count, TextStream, json_text, shown, visible
-from klevict_cli.errors import KlevictError, ModelError, OutputError, ResourceError, UsageError
+from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
-    DTYPE_CHOICES, MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config, merge_options, parse_budget,
-    format_size, parse_size, parse_working_limit, resolve_device, resolve_dtype,
+    DTYPE_CHOICES, MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config,
+    merge_options, resolve_device, resolve_dtype,
 )
+from klevict_cli.reading import check_session, read_options, read_settings, session_for
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
@@ -229,44 +229,6 @@ def note(opts: dict, message: str) -> None:
         say(message)
 
 
-@functools.lru_cache(maxsize=4)
-def _session(model: str | None, device: str, dtype: str, quiet: bool):
-    """One model load per process, whatever the number of commands or questions."""
-    from klevict_cli.attention import ATTENTION_NAME
-    from klevict_cli.models import load_model
-    from klevict_cli.session import Session
-
-    return Session(load_model(model, device=device, dtype=dtype, attn_implementation=ATTENTION_NAME, quiet=quiet))
-
-
-def session_for(opts: dict):
-    quiet = opts["quiet"] or not err.is_terminal
-    what = f"model {shown(opts['model'])}" if opts["model"] else "the default model"
-    loading = contextlib.nullcontext() if quiet else err.status(f"loading {what}")
-    with loading:
-        return _session(opts["model"], opts["device"], opts["dtype"], quiet)
-
-
-def read_settings(opts: dict, reconstruct_default: bool = False):
-    """The reading settings the options ask for (shared by one document and a batch of them)."""
-    from klevict_cli.session import ReadSettings
-
-    return ReadSettings(**read_options(opts, reconstruct_default))
-
-
-def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
-    """`read_settings`'s fields, every option checked, without importing the engine (torch, transformers)."""
-    reconstruct = opts.get("reconstruct")
-    return dict(
-        working=parse_working_limit(opts.get("working_limit")),
-        reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
-        budget=parse_budget(str(opts["budget"])), method=opts["method"], chunk_size=opts["chunk_size"],
-        probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
-        max_new_tokens=opts["max_new_tokens"],
-        max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
-    )
-
-
 def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
     from klevict_cli.documents import load_document
 
@@ -290,18 +252,6 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in result.notes:
         note(opts, f"note: {line}")
     return session, result
-
-
-def check_session(session, settings) -> None:
-    """Refuse settings that no document could meet with this model, before reading any."""
-    if settings.chunk_size > session.adapter.max_positions:
-        raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
-                         f" {session.adapter.max_positions} positions")
-    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
-    if settings.max_memory is not None and settings.max_memory < floor:
-        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
-                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
-                            " --model")
 
 
 def generate(opts: dict, session, stream, question: str, mode: str, **policy) -> dict:

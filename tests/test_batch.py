@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from klevict_cli import batch, cli
+from klevict_cli import batch, cli, reading
 from klevict_cli.batch import EXIT_SOME_FAILED, MANIFEST, in_shard, kvc_names, parse_shard
 from klevict_cli.errors import UsageError
 
@@ -171,7 +171,7 @@ def test_batch_usage_errors(corpus, model, extra, needle, tmp_path, monkeypatch)
 
 
 def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
     assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,
                  "no file matches")
 
@@ -205,9 +205,9 @@ def outdir(corpus, model, tmp_path) -> Path:
 
 def test_ask_a_folder_answers_from_every_cache_with_one_model_load(outdir, corpus, monkeypatch):
     loads = []
-    real = cli._session.__wrapped__
-    cli._session.cache_clear()
-    monkeypatch.setattr(cli, "_session", lambda *a: loads.append(a) or real(*a))
+    real = reading._session.__wrapped__
+    reading._session.cache_clear()
+    monkeypatch.setattr(reading, "_session", lambda *a: loads.append(a) or real(*a))
     result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")
     assert_ok(result)
     answers = [json.loads(line) for line in result.stdout.splitlines()]

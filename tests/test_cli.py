@@ -23,7 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from klevict_cli import __version__, cli
+from klevict_cli import __version__, cli, reading
 from klevict_cli.cli import app
 
 from .conftest import make_tokenizer, tiny_llama
@@ -519,13 +519,13 @@ def test_ask_after_the_model_weights_changed_is_refused(doc, work, tmp_path):
     out = tmp_path / "before.kvc"
     assert_ok(invoke("compress", doc, "-o", out, "--model", folder, "--budget", "64", *FAST))
     save_model(folder, seed=2)
-    cli._session.cache_clear()  # a new `klevict` process would load the folder afresh
+    reading._session.cache_clear()  # a new `klevict` process would load the folder afresh
     try:
         line = assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights have changed",
                             "recompress")
         assert "--model" not in line  # the advice once was to pass the very model in use
     finally:
-        cli._session.cache_clear()
+        reading._session.cache_clear()
 
 
 def test_ask_without_model_uses_the_model_that_made_the_cache(other_compressed, other_model):
@@ -568,11 +568,11 @@ def test_ask_after_one_middle_weight_changed_is_refused(doc, work, tmp_path):
     weights = load_file(folder / "model.safetensors")
     weights["model.layers.1.mlp.up_proj.weight"][3, 5] += 1e-3
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    cli._session.cache_clear()  # a new `klevict` process would load the folder afresh
+    reading._session.cache_clear()  # a new `klevict` process would load the folder afresh
     try:
         assert_error(invoke("ask", out, QUESTIONS[0], "--model", folder, *GEN), 4, "weights have changed")
     finally:
-        cli._session.cache_clear()
+        reading._session.cache_clear()
 
 
 def test_ask_accepts_the_same_model_spelled_differently(compressed, model):
@@ -935,11 +935,11 @@ def test_full_cache_in_compact_mode_message_is_truthful(doc, model):
 
 def test_questions_do_not_pile_up_hooks_on_the_model(compressed, model):
     assert_ok(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN))
-    session = cli._session(model, "cpu", "float32", True)
+    session = reading._session(model, "cpu", "float32", True)
     norm = session.adapter.final_norm
     before = len(norm._forward_pre_hooks)
     assert_ok(invoke("ask", compressed[0], "-", "--model", model, *GEN, input="a\nb\nc\nd\ne\n"))
-    assert cli._session(model, "cpu", "float32", True) is session
+    assert reading._session(model, "cpu", "float32", True) is session
     assert len(norm._forward_pre_hooks) == before
 
 
@@ -989,7 +989,7 @@ def test_no_arguments_shows_help():
 
 
 def test_max_memory_refuses_up_front_with_the_estimate(doc, model):
-    just_the_model = cli._session(model, "cpu", "float32", True).estimate_peak_bytes(0, 0)
+    just_the_model = reading._session(model, "cpu", "float32", True).estimate_peak_bytes(0, 0)
     line = assert_error(invoke("compress", doc, "-o", doc.parent / "mem.kvc", "--model", model, "--max-memory",
                                str(just_the_model + 1)), 6, "--max-memory", "--budget")
     assert "GiB" in line
@@ -1033,9 +1033,10 @@ def terminal(monkeypatch):
 
     console = Console(file=io.StringIO(), force_terminal=True, width=150, highlight=False)
     monkeypatch.setattr(cli, "err", console)
-    cli._session.cache_clear()  # so that loading is shown
+    monkeypatch.setattr(reading, "err", console)  # where the model's loading is shown
+    reading._session.cache_clear()  # so that loading is shown
     yield console.file
-    cli._session.cache_clear()
+    reading._session.cache_clear()
 
 
 def test_progress_shows_loading_consistent_counts_and_generation(doc, model, terminal):

@@ -104,7 +104,8 @@ def test_bench_kl_at_half_the_budget_is_far_closer_to_the_full_cache_than_random
     continuation's no better than chance, and keeping the entries far from the mean hurts them; docs/research-log.md.)
     Measured on this log (768-token windows): kl .002–.006 nats/token at 50 %, random .09–.11."""
     from klevict_cli.bench import BenchSettings, run_bench
-    from klevict_cli.cli import resolve_options, session_for
+    from klevict_cli.cli import resolve_options
+    from klevict_cli.reading import session_for
     from klevict_cli.documents import Document
 
     session = session_for(resolve_options(None, quiet=True))

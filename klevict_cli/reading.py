@@ -1,0 +1,65 @@
+"""From the command line's options to a loaded model and the settings of a read — shared by one document (cli.py) and
+a batch of them (batch.py), and below both. Nothing here imports torch until a model is asked for."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from rich.console import Console
+
+from klevict_cli.display import shown
+from klevict_cli.errors import ResourceError, UsageError
+from klevict_cli.options import format_size, parse_budget, parse_size, parse_working_limit
+
+err = Console(stderr=True, highlight=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _session(model: str | None, device: str, dtype: str, quiet: bool):
+    """One model load per process, whatever the number of commands or questions."""
+    from klevict_cli.attention import ATTENTION_NAME
+    from klevict_cli.models import load_model
+    from klevict_cli.session import Session
+
+    return Session(load_model(model, device=device, dtype=dtype, attn_implementation=ATTENTION_NAME, quiet=quiet))
+
+
+def session_for(opts: dict):
+    quiet = opts["quiet"] or not err.is_terminal
+    what = f"model {shown(opts['model'])}" if opts["model"] else "the default model"
+    loading = contextlib.nullcontext() if quiet else err.status(f"loading {what}")
+    with loading:
+        return _session(opts["model"], opts["device"], opts["dtype"], quiet)
+
+
+def read_settings(opts: dict, reconstruct_default: bool = False):
+    """The reading settings the options ask for (shared by one document and a batch of them)."""
+    from klevict_cli.session import ReadSettings
+
+    return ReadSettings(**read_options(opts, reconstruct_default))
+
+
+def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
+    """`read_settings`'s fields, every option checked, without importing the engine (torch, transformers)."""
+    reconstruct = opts.get("reconstruct")
+    return dict(
+        working=parse_working_limit(opts.get("working_limit")),
+        reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
+        budget=parse_budget(str(opts["budget"])), method=opts["method"], chunk_size=opts["chunk_size"],
+        probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
+        max_new_tokens=opts["max_new_tokens"],
+        max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
+    )
+
+
+def check_session(session, settings) -> None:
+    """Refuse settings that no document could meet with this model, before reading any."""
+    if settings.chunk_size > session.adapter.max_positions:
+        raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
+                         f" {session.adapter.max_positions} positions")
+    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
+    if settings.max_memory is not None and settings.max_memory < floor:
+        raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
+                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
+                            " --model")
