@@ -77,7 +77,10 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
     elif calibration is not None:
         state = calibrations.state_of(json.loads(Path(calibration).read_text()))
         how["adopt"] = lambda self, _, kv_heads: KL.adopt(self, state, kv_heads)
-    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": lambda self, reread: rounds, **how,
+    def draft_rounds(self, reread, read, count):
+        return rounds
+
+    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": draft_rounds, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 
 

@@ -202,9 +202,10 @@ class Engine:
             upcoming = 0 if final else min(self.chunk_size, len(ids) - starts[n + 1])
             must_evict = evict and self._must_evict(stream, len(chunk), upcoming)
             recent = self.recent_window(len(chunk))
-            count = self.draft_count(stream.next_position + len(chunk)) if final and must_evict else 0
-            reread = self.reconstruction is not None
-            drafts = Drafts(count, self.policy.draft_rounds(reread), self.policy.drafts_from_read) if count else None
+            read = stream.next_position + len(chunk)
+            count = self.draft_count(read) if final and must_evict else 0
+            rounds = self.policy.draft_rounds(self.reconstruction is not None, read, count)
+            drafts = Drafts(count, rounds, self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
                                        logits_rows=drafts.read_rows(len(chunk)) if drafts else None)

@@ -255,7 +255,7 @@ def test_drafts_from_the_read_skip_one_round_where_the_last_chunk_predicted_enou
     ids = torch.randint(0, 300, (64 + last_chunk,)).tolist()
     policy = KL(lookahead=6)
     policy.drafts_from_read = from_read
-    policy.draft_rounds = lambda reread: 2
+    policy.draft_rounds = lambda reread, read, count: 2
     engine = Engine(model, adapter_for(model), policy, budget=24, chunk_size=32, probe_window=8, working=0)
     calls = []
     forward = engine.forward

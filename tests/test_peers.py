@@ -182,6 +182,16 @@ def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(mo
     assert KL(lookahead=0).draft_count(reread=True, kept_fraction=0.1) == 0
 
 
+def test_kl_drafts_in_two_rounds_where_the_second_is_cheap_against_the_read_or_the_document_is_re_read():
+    """One Jacobi round (the read's own predictions) for a short read that is not re-read; two where the document
+    is re-read, or the read is at least 16 times the drafts (the second round's forward then costs little)."""
+    kl = KL()
+    assert kl.draft_rounds(reread=False, read=512, count=64) == 1
+    assert kl.draft_rounds(reread=False, read=1023, count=64) == 1
+    assert kl.draft_rounds(reread=False, read=1024, count=64) == 2
+    assert kl.draft_rounds(reread=True, read=300, count=64) == 2
+
+
 def test_kl_refits_without_a_re_reading_only_where_it_keeps_little():
     policy = KL(refit="final")
     assert policy.refit_up_to == 0.15

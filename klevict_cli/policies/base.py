@@ -105,8 +105,9 @@ class Policy:
         whose observation stands in for a re-reading need not pay for it when there is one."""
         return self.observes
 
-    def draft_rounds(self, reread: bool) -> int:
-        """The drafts' Jacobi rounds (probes.Drafts); `reread`: the document is re-read too."""
+    def draft_rounds(self, reread: bool, read: int, count: int) -> int:
+        """The Jacobi rounds (probes.Drafts) of `count` drafts past a read of `read` tokens; `reread`: the document
+        is re-read too."""
         return 2
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:

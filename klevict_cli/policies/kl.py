@@ -179,14 +179,15 @@ class KL(Policy):
                 "calibration_rows": str(self.calibration_rows), "copy_share": str(self.copy_share),
                 "copy_distance": str(self.copy_distance), "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
 
-    def draft_rounds(self, reread: bool) -> int:
-        """One round where the document is not re-read: the drafts are then the read's own predictions of its last
-        tokens, sampled and placed past its end, which costs one forward instead of two (0.83-1.03x the KL of two
-        rounds on the 512-token tuning windows, 1.4x a read instead of 1.7x there). Where it is re-read (`compress`)
-        the refit fits every kept value to the drafts, and to drafts that follow the read rather than continue it
-        one tuning window's refit overfit (KL 0.15 -> 0.56 at 32 entries per head): two rounds there
-        (docs/research-log.md)."""
-        return 1 if not reread else 2
+    def draft_rounds(self, reread: bool, read: int, count: int) -> int:
+        """One round for a short read that is not re-read: the drafts are then the read's own predictions of its
+        last tokens, sampled and placed past its end, and cost one forward instead of two — on the 512-token tuning
+        windows 0.90-1.02x the KL of two rounds for 1.4x a read instead of 1.7x, but at 4,096 tokens 1.05-1.24x (8
+        of 8 worse), where the second round's forward is 2 % of the read. So the second round runs once it costs at
+        most a sixteenth of the read (`read` >= 16 x `count`), and always where the document is re-read
+        (`compress`): there the refit fits every kept value to the drafts, and to drafts that repeat the read it
+        overfit one tuning window (KL 0.15 -> 0.56 at 32 entries per head; docs/research-log.md)."""
+        return 2 if reread or read >= 16 * count else 1
 
     def draft_count(self, reread: bool, kept_fraction: float) -> int:
         if not reread:
