@@ -18,14 +18,14 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from klevict_cli.display import visible
 from klevict_cli.errors import CacheFileError, OutputError
 from klevict_cli.files import write_atomically
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (a batch's skip check) needs none
+    import torch
 
 FORMAT = "klevict-kvc"
 FORMAT_VERSION = "1"
@@ -40,8 +40,9 @@ MAX_PARAM_CHARS = 64
 LAYER_FIELDS = ("keys", "values", "positions", "rope_positions", "lengths")
 
 # The only dtypes a .kvc file may hold, by their safetensors names.
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32}
-_SAFETENSORS_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32"}  # as torch names them
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+_SAFETENSORS_NAMES = {f"torch.{dtype}": name for name, dtype in _DTYPES.items()}
 _FLOATS = ("F32", "F16", "BF16")
 
 
@@ -93,6 +94,8 @@ def packed_from_padded(
     valid: torch.Tensor,
 ) -> PackedLayer:
     """Drop the padding of the engine's (heads, capacity, ...) cache; a row-major mask keeps each head's order."""
+    import torch
+
     valid = valid.to(torch.bool)
     return PackedLayer(
         keys=keys[valid],
@@ -107,6 +110,8 @@ def padded_from_packed(
     layer: PackedLayer, capacity: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rebuild the engine's padded layout: entries packed left, zeros and position -1 where `valid` is False."""
+    import torch
+
     device = layer.keys.device
     lengths = layer.lengths.to(device=device, dtype=torch.int64)
     heads = lengths.numel()
@@ -140,6 +145,8 @@ def save_kvc(path: Path, kvc: KvcFile) -> int:
 def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
     """The bytes of the `.kvc` file for `kvc` (for a file or a stream), checked as `load_kvc` would check them;
     `name` is only for messages."""
+    import safetensors.torch
+
     tensors = _tensors_of(kvc)
     metadata = dict(kvc.metadata)
     metadata.pop("payload_sha256", None)
@@ -237,6 +244,8 @@ def _read_tensors(
 ) -> dict[str, torch.Tensor]:
     """Checksum the data in fixed-size blocks before allocating anything for it, so that a corrupt or hostile file,
     however large, is refused in constant memory; then read each tensor straight into its own storage."""
+    import torch
+
     digest = _metadata_digest(metadata)
     for name in sorted(entries):
         entry = entries[name]
@@ -252,7 +261,7 @@ def _read_tensors(
         f.seek(start + entry.begin)
         if raw.numel() and f.readinto(memoryview(raw.numpy())) != raw.numel():
             raise _error(path, "the file changed while it was read")
-        tensors[name] = raw.view(_DTYPES[entry.dtype]).reshape(entry.shape)
+        tensors[name] = raw.view(getattr(torch, _DTYPES[entry.dtype])).reshape(entry.shape)
     return tensors
 
 
@@ -331,7 +340,7 @@ def _parse_entry(path: Path, name: str, spec: object) -> _Entry:
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise _error(path, f"tensor {_show(name)} has unsupported dtype {_show(dtype)}")
     begin, end = offsets
-    if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+    if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
         raise _error(path, f"tensor {_show(name)} has {end - begin} bytes, which does not match its shape")
     return _Entry(dtype, tuple(shape), begin, end)
 
@@ -366,7 +375,7 @@ def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry
     def require(name: str, dtypes: tuple[str, ...], ndim: int) -> tuple[int, ...]:
         entry = layout[name]
         if entry.dtype not in dtypes:
-            wanted = " or ".join(_dtype_name(_DTYPES[d]) for d in dtypes)
+            wanted = " or ".join(_DTYPES[d] for d in dtypes)
             raise _error(path, f"tensor {name} has dtype {_dtype_name(entry.dtype)}; expected {wanted}")
         if len(entry.shape) != ndim:
             raise _error(path, f"tensor {name} has shape {list(entry.shape)}; expected {ndim} dimensions")
@@ -405,6 +414,8 @@ def _layers_of(tensors: dict[str, torch.Tensor], num_layers: int) -> list[Packed
 
 def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor) -> None:
     """Values the layout cannot vouch for: counts, and positions that index the streamed tokens in order."""
+    import torch
+
     if tokens.numel() and int(tokens.min()) < 0:
         raise _error(path, "a token id is negative")
     for i, layer in enumerate(layers):
@@ -485,6 +496,8 @@ def _check_method_params(path: Path | str, params: dict) -> None:
 
 def _increasing_within_heads(positions: torch.Tensor, lengths: torch.Tensor) -> bool:
     """Each head's segment must rise; the step from one head's last entry to the next head's first may fall."""
+    import torch
+
     if positions.numel() < 2:
         return True
     rising = positions[1:] > positions[:-1]
@@ -547,6 +560,8 @@ def _check_specs(path: Path, layers: list[PackedLayer], specs: list[LayerSpec] |
 
 def _payload_sha256(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
     """Covers every byte that matters, so an edited budget or a flipped bit is caught rather than used."""
+    import torch
+
     digest = _metadata_digest(metadata)
     for name in sorted(tensors):
         tensor = tensors[name]
@@ -569,13 +584,12 @@ def _frame(digest, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -
 
 
 def _safetensors_name(dtype: torch.dtype) -> str:
-    return _SAFETENSORS_NAMES.get(dtype, _dtype_name(dtype))
+    return _SAFETENSORS_NAMES.get(str(dtype), _dtype_name(dtype))
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     """'bfloat16' for torch.bfloat16 or 'BF16'; the spelling metadata `cache_dtype` and messages use."""
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    return str(dtype).removeprefix("torch.")
+    return _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
 def _show(value: object, limit: int = 60) -> str:

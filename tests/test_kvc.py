@@ -118,6 +118,19 @@ def test_save_returns_size_and_read_metadata_is_cheap(saved):
     assert metadata["budget"] == "2048"
 
 
+def test_reading_a_header_imports_no_torch(saved):
+    path, _ = saved
+    """A batch decides whether a document is done from its cache's header: that must not cost torch's import
+    (seconds), only the header's bytes."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from klevict_cli.kvc import read_metadata; "
+            f"assert read_metadata({str(path)!r})['format'] == 'klevict-kvc'; print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
 def test_empty_cache_round_trips(tmp_path):
     empty = KvcFile(layers=[make_layer(lengths=[0, 0])], tokens=torch.zeros(0, dtype=torch.int32), metadata={})
     save_kvc(tmp_path / "e.kvc", empty)
