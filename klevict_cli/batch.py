@@ -196,7 +196,8 @@ def model_stamp(spec: str | None) -> list | None:
     spec = spec or DEFAULT_MODEL
     try:
         if spec in PACKAGED_MODELS:
-            return [spec, *([str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in packaged_files(spec))]
+            stats = [(p, p.stat()) for p in packaged_files(spec)]
+            return [spec, *([str(p), info.st_size, info.st_mtime_ns] for p, info in stats)]
     except (OSError, ModelError):
         return None
     path = Path(spec).expanduser()

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import Count, TextStream, json_text, shown, visible
+from klevict_cli.display import Count, TextStream, err, json_text, shown, visible
 from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
@@ -43,7 +43,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-err = Console(stderr=True, highlight=False)
 out = Console(highlight=False, soft_wrap=True)
 
 DEFAULTS: dict[str, Any] = {

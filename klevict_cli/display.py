@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import ProgressColumn
 from rich.text import Text
+
+# Progress, notes and errors: one console on standard error for every room that shows them.
+err = Console(stderr=True, highlight=False)
 
 
 def visible(text: str, keep: str = "") -> str:

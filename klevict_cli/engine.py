@@ -204,8 +204,8 @@ class Engine:
             recent = self.recent_window(len(chunk))
             read = stream.next_position + len(chunk)
             count = self.draft_count(read) if final and must_evict else 0
-            rounds = self.policy.draft_rounds(self.reconstruction is not None, read, count)
-            drafts = Drafts(count, rounds, self.policy.drafts_from_read) if count else None
+            drafts = Drafts(count, self.policy.draft_rounds(self.reconstruction is not None, read, count),
+                            self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
                                        logits_rows=drafts.read_rows(len(chunk)) if drafts else None)

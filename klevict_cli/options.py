@@ -23,8 +23,9 @@ BUDGET_FORMS = (
 MAX_COUNT = 2**31 - 1
 # Binary multiples, as in "a 4k context" = 4096 tokens.
 _TOKEN_SUFFIXES = {"": 1, "k": 1024, "m": 1024 * 1024}
-# ASCII digits only: float() would also take "nan", "inf", "1e3", "1_000" and other scripts' digits ("١٠").
-_BUDGET_RE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>%|[km]?)", re.IGNORECASE)
+# A number in ASCII digits only: float() would also take "nan", "inf", "1e3", "1_000" and other scripts' digits ("١٠").
+_NUMBER = r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+"
+_BUDGET_RE = re.compile(rf"(?P<number>{_NUMBER})\s*(?P<unit>%|[km]?)", re.IGNORECASE)
 
 OPTION_TYPES: dict[str, type] = {
     "model": str,
@@ -263,7 +264,7 @@ def parse_working_limit(text: str | None) -> Budget | float | None:
     value = str(text).strip().lower()
     if value.endswith("x"):
         number = value[:-1].strip()
-        factor = float(number) if re.fullmatch(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+", number) else float("nan")
+        factor = float(number) if re.fullmatch(_NUMBER, number) else float("nan")
         if not (math.isfinite(factor) and factor >= 1):
             raise UsageError(f"invalid --working-limit '{text}'; a multiple of the budget is at least 1x (e.g. 4x)")
         return factor

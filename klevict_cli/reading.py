@@ -6,13 +6,9 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from rich.console import Console
-
-from klevict_cli.display import shown
+from klevict_cli.display import err, shown
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import format_size, parse_budget, parse_size, parse_working_limit
-
-err = Console(stderr=True, highlight=False)
 
 
 @functools.lru_cache(maxsize=4)
