@@ -16,11 +16,17 @@ import torch
 
 from klevict_cli import probes
 from klevict_cli.attention import ATTENTION_NAME
-from klevict_cli.bench import continuation_logits, draw_offsets, timed_read, token_metrics
+from klevict_cli.bench import continuation_logits, draw_offsets, token_metrics
 from klevict_cli.documents import load_document
 from klevict_cli.models import load_model
 from klevict_cli.prompts import bos_ids, encode_text
 from klevict_cli.session import ReadSettings, Session
+
+
+def read(engine, context: list[int]) -> dict:
+    """The stream and last logits of `engine` reading `context` (no chat frame: the text alone after BOS)."""
+    stream = engine.new_stream()
+    return {"stream": stream, "logits": engine.feed(stream, context)}
 
 
 def main() -> None:
@@ -54,7 +60,7 @@ def main() -> None:
     for w, offset in enumerate(draw_offsets(len(ids), body + 256, args.windows, random.Random(args.seed))):
         context, following = bos + ids[offset : offset + body], ids[offset + body : offset + body + 256]
         targets = torch.tensor(following)
-        full = timed_read(reference, context)
+        full = read(reference, context)
         expected = continuation_logits(reference, full["stream"], full["logits"], following)
         for budget in args.budgets.split(","):
             tokens = round(float(budget.rstrip("%")) / 100 * args.context)
@@ -62,7 +68,7 @@ def main() -> None:
                 engine = session.engine("kl", tokens, read, "original")
                 engine.policy.refit = args.refit
                 engine.generator.manual_seed(args.seed)
-                got = timed_read(engine, context)
+                got = read(engine, context)
                 logits = continuation_logits(engine, got["stream"], got["logits"], following)
                 kl = [token_metrics(expected[s], logits[s], targets[s])["kl"]
                       for s in (slice(None), slice(0, 128), slice(128, None))]

@@ -31,8 +31,9 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -45,6 +46,9 @@ from klevict_cli.policies import make_policy
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import summary
+
+if TYPE_CHECKING:
+    from klevict_cli.session import ReadSettings
 
 TASKS = ("fidelity", "needle", "recall", "both", "all")  # both: fidelity + needle; all: the three
 ADJECTIVES = ("red", "blue", "green", "golden", "silver", "purple", "orange", "spotted", "striped", "sleepy",
@@ -206,41 +210,20 @@ def pick_recalls(text: str, rng: random.Random, count: int) -> list[Recall]:
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _bytes_per_token(engine) -> int:
-    size = torch.empty((), dtype=engine.dtype).element_size()
-    return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in engine.shapes) * size
-
-
-def timed_read(engine, ids: list[int]) -> dict:
-    """Read `ids` with eviction into a fresh stream; wall time, the last logits, kept and peak cache bytes."""
-    stream = engine.new_stream()
-    per_token = _bytes_per_token(engine)
-    peak = 0
-    held = 0
-
-    def tick(n: int) -> None:  # after each chunk's eviction: the chunk's forward held what was kept before + it
-        nonlocal peak, held
-        peak = max(peak, held + n * per_token)
-        held = stream.cache.nbytes()
-
-    cuda = engine.device.type == "cuda"
+def timed_read(session, doc_ids: list[int], settings: ReadSettings, reserve: int) -> dict:
+    """Read a window's tokens as the commands read a document (`Session.read_tokens`: the chat frame, the plan,
+    the engine); wall time, the last logits, kept and peak cache bytes (and on a GPU, peak device bytes)."""
+    cuda = session.lm.model.device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats(engine.device)
-        base = torch.cuda.memory_allocated(engine.device)
-    _sync(engine.device)
-    start = time.perf_counter()
-    logits = engine.feed(stream, ids, progress=tick)
-    _sync(engine.device)
-    seconds = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats(session.lm.model.device)
+        base = torch.cuda.memory_allocated(session.lm.model.device)
+    result = session.read_tokens(doc_ids, settings, reserve=reserve)
+    stream = result.stream
     return {
-        "stream": stream, "logits": logits, "seconds": seconds, "cache_bytes": stream.cache.nbytes(),
-        "peak_cache_bytes": peak, "kept_entries": sum(sum(c) for c in stream.cache.kept_counts()),
-        "peak_device_bytes": torch.cuda.max_memory_allocated(engine.device) - base if cuda else None,
+        "stream": stream, "engine": result.engine, "logits": result.logits, "seconds": result.seconds,
+        "cache_bytes": stream.cache.nbytes(), "peak_cache_bytes": result.peak_cache_bytes,
+        "kept_entries": sum(sum(c) for c in stream.cache.kept_counts()),
+        "peak_device_bytes": torch.cuda.max_memory_allocated(session.lm.model.device) - base if cuda else None,
     }
 
 
@@ -261,28 +244,29 @@ class _Counter:
             self.progress(self.done, self.total, label)
 
 
-def _engines(session, settings: BenchSettings, budgets: dict[str, int]):
+def _reads(settings: BenchSettings, budgets: dict[str, int]):
+    """How the full-cache reference and each method × budget read: the settings `Session.read_tokens` takes."""
     from klevict_cli.session import ReadSettings
 
-    read = ReadSettings(budget=None, chunk_size=settings.chunk_size, probe_window=settings.probe_window,
-                        seed=settings.seed, working=settings.working, reconstruct=settings.reconstruct)
-    reference = session.engine("none", None, read, "original")
-    methods = {(m, label): session.engine(m, tokens, read, "original")
-               for m in settings.methods for label, tokens in budgets.items()}
-    return reference, methods
+    full = ReadSettings(budget=None, method="none", chunk_size=settings.chunk_size,
+                        probe_window=settings.probe_window, position_mode="original", seed=settings.seed,
+                        working=settings.working, reconstruct=settings.reconstruct)
+    return full, {(m, label): replace(full, method=m, budget=Budget(tokens=tokens))
+                  for m in settings.methods for label, tokens in budgets.items()}
 
 
-def warm_up(session, settings: BenchSettings, reference, engines: dict, ids: list[int]) -> None:
+def warm_up(session, settings: BenchSettings, methods: list[str], ids: list[int]) -> None:
     """First-call costs (allocations, kernel selection, the first backward pass, vmap's tracing) must not land on a
     method's first timing: the reference reads one chunk, and each method reads two small chunks with a budget
     small enough that every path it has (eviction, drafts, calibration, reconstruction) runs once."""
     from klevict_cli.session import ReadSettings
 
-    reference.feed(reference.new_stream(), ids[: min(settings.chunk_size, settings.context)])
     chunk = max(2, min(settings.chunk_size, settings.context) // 4)
     read = ReadSettings(budget=None, chunk_size=chunk, probe_window=settings.probe_window, seed=settings.seed,
                         working=1.0, reconstruct=settings.reconstruct)
-    for method in dict.fromkeys(m for m, _ in engines):
+    reference = session.engine("none", None, read, "original")
+    reference.feed(reference.new_stream(), ids[: min(settings.chunk_size, settings.context)])
+    for method in methods:
         engine = session.engine(method, max(1, chunk // 2), read, "original")
         engine.feed(engine.new_stream(), ids[: 2 * chunk])
 
@@ -308,13 +292,13 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
     return done
 
 
-def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
+def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,
                  publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None) -> dict:
-    prefix = session.frame.prefix_ids(session.lm.tokenizer)  # read as `compress` and `summarize` read: in the frame
+    prefix = session.frame.prefix_ids(session.lm.tokenizer)  # the chat frame's opening, read before each window
     body = settings.context - len(prefix)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
-    labels = list(dict.fromkeys(label for _, label in engines))
-    warm_up(session, settings, reference, engines, prefix + doc_ids)
+    labels = list(dict.fromkeys(label for _, label in reads))
+    warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
     results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
                                              "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
@@ -337,13 +321,13 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
 
     for w, offset in enumerate(offsets):
         if w < done:
-            tick(f"window {w + 1}/{len(offsets)}: measured before", 1 + len(engines))
+            tick(f"window {w + 1}/{len(offsets)}: measured before", 1 + len(reads))
             continue
-        context = prefix + doc_ids[offset : offset + body]
+        window = doc_ids[offset : offset + body]
         cont = doc_ids[offset + body : offset + body + settings.continuation]
         targets = torch.tensor(cont)
-        ref = timed_read(reference, context)
-        ref_logits = continuation_logits(reference, ref["stream"], ref["logits"], cont)
+        ref = timed_read(session, window, reference, len(cont))
+        ref_logits = continuation_logits(ref["engine"], ref["stream"], ref["logits"], cont)
         base = token_metrics(ref_logits, ref_logits, targets)
         full["perplexity"].append(base["perplexity"])
         full["nll"].append(base["nll"])
@@ -351,10 +335,9 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
             full[key].append(ref[key])
         del ref
         tick(f"window {w + 1}/{len(offsets)}: full cache")
-        for (method, label), engine in engines.items():
-            engine.generator.manual_seed(settings.seed)  # each window starts from the same seeded state
-            got = timed_read(engine, context)
-            logits = continuation_logits(engine, got["stream"], got["logits"], cont)
+        for (method, label), read in reads.items():
+            got = timed_read(session, window, read, len(cont))  # a fresh engine: the same seeded state each window
+            logits = continuation_logits(got["engine"], got["stream"], got["logits"], cont)
             row = results[method][label]
             for key, value in token_metrics(ref_logits, logits, targets).items():
                 row[key].append(value)
@@ -376,16 +359,17 @@ def build_haystack(session, doc_ids: list[int], settings: BenchSettings, rng: ra
     body = max(1, settings.context - len(prefix) - fact_tokens)
     offset = draw_offsets(len(doc_ids), body, 1, rng)[0]
     text = insert_facts(tok.decode(doc_ids[offset : offset + body]), facts, rng)
-    ids = prefix + encode_text(tok, text)
-    return {"offset": offset, "ids": ids, "facts": facts}
+    ids = encode_text(tok, text)
+    return {"offset": offset, "ids": ids, "tokens": len(prefix) + len(ids), "facts": facts}
 
 
 def build_recall(session, doc_ids: list[int], settings: BenchSettings, rng: random.Random) -> dict:
     tok = session.lm.tokenizer
     prefix = session.frame.prefix_ids(tok)
     offset = draw_offsets(len(doc_ids), settings.context - len(prefix), 1, rng)[0]
-    ids = prefix + doc_ids[offset : offset + settings.context - len(prefix)]
-    return {"offset": offset, "ids": ids, "facts": pick_recalls(tok.decode(ids[len(prefix):]), rng, settings.needles)}
+    ids = doc_ids[offset : offset + settings.context - len(prefix)]
+    return {"offset": offset, "ids": ids, "tokens": len(prefix) + len(ids),
+            "facts": pick_recalls(tok.decode(ids), rng, settings.needles)}
 
 
 def answer(session, engine, stream, question: str, max_new: int, start: str = "") -> str:
@@ -397,25 +381,27 @@ def answer(session, engine, stream, question: str, max_new: int, start: str = ""
     return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
-def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, engines: dict, tick,
+def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,
                task: str = "needle", publish: Callable[[dict], None] = lambda block: None,
                previous: dict | None = None) -> dict:
     """Retrieval after compression: planted facts (`needle`) or details the text states once (`recall`)."""
     rng = random.Random(f"{task}:{settings.seed}")
-    labels = list(dict.fromkeys(label for _, label in engines))
+    labels = list(dict.fromkeys(label for _, label in reads))
     build = build_haystack if task == "needle" else build_recall
     haystacks = [build(session, doc_ids, settings, rng) for _ in range(settings.windows)]
-    longest = max(len(h["ids"]) for h in haystacks) + settings.answer_tokens + max(
+    room = settings.answer_tokens + max(
         (len(session.frame.suffix_ids(session.lm.tokenizer, f.question) + encode_text(session.lm.tokenizer, f.start))
          for h in haystacks for f in h["facts"]), default=0)
+    longest = max(h["tokens"] for h in haystacks) + room
     if longest > session.adapter.max_positions:
         raise ResourceError(f"a needle haystack plus its question needs {longest} positions; the model has "
                          f"{session.adapter.max_positions} (lower --context)")
 
-    def score(engine, hay) -> tuple[list[str], list[bool]]:
-        stream = engine.new_stream()
-        engine.feed(stream, hay["ids"])
-        texts = [answer(session, reference, stream, f.question, settings.answer_tokens, f.start) for f in hay["facts"]]
+    answerer = session.engine("none", None, reference, "original")  # answers as `Session.answer` does
+
+    def score(read, hay) -> tuple[list[str], list[bool]]:
+        stream = session.read_tokens(hay["ids"], read, reserve=room).stream
+        texts = [answer(session, answerer, stream, f.question, settings.answer_tokens, f.start) for f in hay["facts"]]
         return texts, [f.expected in t for f, t in zip(hay["facts"], texts)]
 
     full = {"accuracy": [], "answers": [], "correct": []}
@@ -424,7 +410,7 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
 
     def block(done: int) -> dict:
         return {
-            "haystacks": [{"offset": h["offset"], "tokens": len(h["ids"]),
+            "haystacks": [{"offset": h["offset"], "tokens": h["tokens"],
                            "facts": [{"sentence": f.sentence, "question": f.question, "expected": f.expected,
                                       "depth": round(f.depth, 4)} for f in h["facts"]]} for h in haystacks],
             "windows_done": done,
@@ -436,17 +422,15 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
     done = carry_over(previous, full, results, block(0)["haystacks"], "haystacks")
     for w, hay in enumerate(haystacks):
         if w < done:
-            tick(f"{task} {w + 1}/{len(haystacks)}: measured before", 1 + len(engines))
+            tick(f"{task} {w + 1}/{len(haystacks)}: measured before", 1 + len(reads))
             continue
-        reference.generator.manual_seed(settings.seed)
         texts, ok = score(reference, hay)
         full["answers"].append(texts)
         full["correct"].append(ok)
         full["accuracy"].append(sum(ok) / max(1, len(ok)))
         tick(f"{task} {w + 1}/{len(haystacks)}: full cache")
-        for (method, label), engine in engines.items():
-            engine.generator.manual_seed(settings.seed)
-            texts, ok = score(engine, hay)
+        for (method, label), read in reads.items():
+            texts, ok = score(read, hay)
             row = results[method][label]
             row["answers"].append(texts)
             row["correct"].append(ok)
@@ -508,13 +492,13 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
                 checkpoint(out)
         return publish
 
-    reference, engines = _engines(session, settings, budgets)  # one engine per method × budget, reused
+    reference, reads = _reads(settings, budgets)
     if "fidelity" in tasks:
-        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, engines, tick, publisher("fidelity"),
+        out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, reads, tick, publisher("fidelity"),
                                        (resume or {}).get("fidelity"))
     for task in ("needle", "recall"):
         if task in tasks:
-            out[task] = run_needle(session, doc_ids, settings, reference, engines, tick, task, publisher(task),
+            out[task] = run_needle(session, doc_ids, settings, reference, reads, tick, task, publisher(task),
                                    (resume or {}).get(task))
     out["complete"] = True
     return out

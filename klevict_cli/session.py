@@ -32,6 +32,12 @@ from klevict_cli.prompts import encode_text, frame_for, stop_ids
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on a GPU would otherwise end before it does)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class ReadSettings:
     budget: Budget | None  # None: keep everything
@@ -62,8 +68,11 @@ class ReadResult:
     prefix_tokens: int
     seconds: float
     settings: ReadSettings
-    document: Document
+    document: Document | None
     notes: list[str] = field(default_factory=list)
+    engine: Engine | None = None  # the engine that read it (to read on: a continuation, as the bench does)
+    logits: torch.Tensor | None = None  # the read's last next-token logits
+    peak_cache_bytes: int = 0  # the most the cache held while reading (a chunk's forward: what was kept + the chunk)
 
 
 def working_entries(working: float | Budget | None, budget: int | None) -> int | None:
@@ -116,8 +125,16 @@ class Session:
         progress: Callable[[int, int], None] | None = None, reserve: int | None = None,
     ) -> ReadResult:
         """Tokenise and stream `document` (inside the chat frame) with eviction; the cache ends within budget."""
+        return self.read_tokens(encode_text(self.lm.tokenizer, document.text), settings, progress, reserve, document)
+
+    def read_tokens(
+        self, doc_ids: list[int], settings: ReadSettings, progress: Callable[[int, int], None] | None = None,
+        reserve: int | None = None, document: Document | None = None,
+    ) -> ReadResult:
+        """Stream a document's tokens inside the chat frame with eviction, keeping `reserve` positions free after
+        it (default: a question and its answer). `read` for text; the bench reads its windows' tokens here, so
+        that it measures exactly what the commands do."""
         prefix = self.frame.prefix_ids(self.lm.tokenizer)
-        doc_ids = encode_text(self.lm.tokenizer, document.text)
         ids = prefix + doc_ids
         budget = settings.budget.resolve(len(ids)) if settings.budget is not None else None
         if settings.method == "none":
@@ -138,18 +155,22 @@ class Session:
                     settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size)))
         engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap)
         stream = engine.new_stream()
-        done = 0
+        per_token = self.bytes_per_token()
+        done = peak = held = 0
 
-        def tick(n: int) -> None:
-            nonlocal done
+        def tick(n: int) -> None:  # after each chunk's eviction: its forward held what was kept before + the chunk
+            nonlocal done, peak, held
             done += n
+            peak, held = max(peak, held + n * per_token), stream.cache.nbytes()
             if progress is not None:
                 progress(done, len(ids))
 
+        synchronize(engine.device)
         start = time.perf_counter()
-        engine.feed(stream, ids, progress=tick)
+        logits = engine.feed(stream, ids, progress=tick)
+        synchronize(engine.device)
         return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
-                          list(plan.notes))
+                          list(plan.notes), engine, logits, peak)
 
     def working_within(self, max_memory: int, budget: int, most: int, chunk: int) -> int:
         """The largest working limit in [budget, most] entries per head whose reading fits `max_memory` bytes."""
@@ -163,15 +184,18 @@ class Session:
         """Upper estimate of resident bytes while reading: weights, the cache at its largest (kept + chunk entries
         per head), the chunk's attention scores and activations. Used to fail up front, not after an hour."""
         model = self.lm.model
-        itemsize = next(model.parameters()).element_size()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         shapes = self.adapter.layer_shapes()
-        per_token = sum(s.kv_heads * (s.key_dim + s.value_dim) for s in shapes) * itemsize
-        cache = (kept + chunk) * per_token
+        cache = (kept + chunk) * self.bytes_per_token()
         cfg = model.config
         scores = max(s.query_heads for s in shapes) * chunk * (kept + chunk) * 4 * 3  # mask, scores, weights
         hidden = chunk * max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0) * 4 * 8
         return int(weights + cache + scores + hidden + 300 * 2**20)  # + the Python/torch runtime
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes per token read (every layer's keys and values, in the model's dtype)."""
+        itemsize = next(self.lm.model.parameters()).element_size()
+        return sum(s.kv_heads * (s.key_dim + s.value_dim) for s in self.adapter.layer_shapes()) * itemsize
 
     # ---- answering -----------------------------------------------------------------------------------------
     def answer(
