@@ -20,6 +20,7 @@ prints each variant's answers right, next to the full cache's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import random
@@ -36,13 +37,12 @@ from klevict_cli.policies.kl import KL
 from klevict_cli.session import Session
 
 
-DEFAULT_ROUNDS = probes_module.Drafts().rounds
 
 
 def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
     """KL kwargs, draft rounds, working limit (× budget) and reconstruction of one variant spec (`sees` and `span`
     go into the kwargs as the policy's reconstruction_sees / reconstruction_span)."""
-    kwargs, rounds, working, reconstruct = {}, DEFAULT_ROUNDS, None, False
+    kwargs, rounds, working, reconstruct = {}, None, None, False
     for item in filter(None, spec.split(",")):
         key, _, text = item.partition("=")
         value = {"true": True, "false": False}.get(text, text)
@@ -64,11 +64,14 @@ def parse_variant(spec: str) -> tuple[dict, int, float | None, bool]:
     return kwargs, rounds, working, reconstruct
 
 
-def register(label: str, kwargs: dict, rounds: int) -> None:
-    """A policy class named `label` that is KL(**kwargs) and drafts with `rounds` Jacobi rounds; `calibration=
+def register(label: str, kwargs: dict, rounds: int | None) -> None:
+    """A policy class named `label` that is KL(**kwargs) — class attributes among them (`copy_distance=...`) set on
+    the class — and drafts with `rounds` Jacobi rounds (None: KL's own rule); `calibration=
     document` calibrates on each document even where the model's calibration is shipped, `calibration=FILE` adopts
     the ratios of FILE (examples/calibrate.py's output) instead of the shipped ones."""
     how = {f"reconstruction_{key}": kwargs.pop(key) for key in ("sees", "span") if key in kwargs}
+    arguments = inspect.signature(KL.__init__).parameters
+    how.update({key: kwargs.pop(key) for key in list(kwargs) if key not in arguments and hasattr(KL, key)})
     if "drafts_from_read" in kwargs:
         how["drafts_from_read"] = kwargs.pop("drafts_from_read")
     calibration = kwargs.pop("calibration", None)
@@ -77,21 +80,20 @@ def register(label: str, kwargs: dict, rounds: int) -> None:
     elif calibration is not None:
         state = calibrations.state_of(json.loads(Path(calibration).read_text()))
         how["adopt"] = lambda self, _, kv_heads: KL.adopt(self, state, kv_heads)
-    def draft_rounds(self, reread, read, count):
-        return rounds
-
-    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, "draft_rounds": draft_rounds, **how,
+    if rounds is not None:
+        how["draft_rounds"] = lambda self, reread, read, count: rounds
+    POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, **how,
                                           "__init__": lambda self: KL.__init__(self, **kwargs)})
 
 
 def reseeded_draft(draft_seed: int):
-    original = probes_module.Drafts.probe_sets
+    original = probes_module.Drafts.requests
 
-    def probe_sets(self, engine, stream, read_logits):
-        engine.generator.manual_seed(7919 * draft_seed + len(stream.tokens))
-        return original(self, engine, stream, read_logits)
+    def requests(self, tokens, read_logits, room, generator):
+        generator.manual_seed(7919 * draft_seed + len(tokens))
+        return original(self, tokens, read_logits, room, generator)
 
-    return probe_sets
+    return requests
 
 
 def paired(values: list[float], base: list[float], rng: random.Random) -> tuple[float, float, float]:
@@ -123,10 +125,10 @@ def main() -> None:
         groups.setdefault((working, reconstruct), []).append(label)
     session = Session(load_model(args.model, attn_implementation=ATTENTION_NAME, quiet=True))
     document = load_document(args.file)
-    original = probes_module.Drafts.probe_sets
+    original = probes_module.Drafts.requests
     runs = []
     for draft_seed in (int(s) for s in args.draft_seeds.split(",")):
-        probes_module.Drafts.probe_sets = reseeded_draft(draft_seed)
+        probes_module.Drafts.requests = reseeded_draft(draft_seed)
         merged = {}
         try:
             for (working, reconstruct), methods in groups.items():
@@ -137,7 +139,7 @@ def main() -> None:
                 merged.update(block["results"])
                 merged["full"] = block["full"]
         finally:
-            probes_module.Drafts.probe_sets = original
+            probes_module.Drafts.requests = original
         runs.append(merged)
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=1, default=str))

@@ -26,6 +26,12 @@ from klevict_cli.policies.kl import KL, apply_calibration, calibration_ratios
 from klevict_cli.session import Session
 
 
+def frozen(policy: KL) -> KL:
+    """The policy's Fisher re-run with the probes' keys and values held fixed."""
+    policy.live_probes = False
+    return policy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file")
@@ -56,13 +62,13 @@ def main() -> None:
         with torch.inference_mode():
             logits, ctx = engine.forward(stream, text[args.context :], probe_rows=w)
             step = engine.eviction_step(stream, ctx, logits, w)
-            direct = KL(calibrate=False).direct_scores(step, layers)
-            rank8 = KL(calibrate=False, rank=8).direct_scores(step, layers)
-            fisher16 = KL(propagation="fisher", samples=16, probes="frozen").fisher_scores(step, layers)
-            fisher4 = KL(propagation="fisher", samples=4, probes="frozen").fisher_scores(step, layers)
-            fisher4_live = KL(propagation="fisher", samples=4, probes="live").fisher_scores(step, layers)
-            fisher16_live = KL(propagation="fisher", samples=16, probes="live").fisher_scores(step, layers)
-            fisher2_live = KL(propagation="fisher", samples=2, probes="live").fisher_scores(step, layers)
+            direct = KL().direct_scores(step, layers)
+            rank8 = KL(rank=8).direct_scores(step, layers)
+            fisher16, fisher4 = (frozen(KL(propagation="fisher", samples=n)).fisher_scores(step, layers)
+                                 for n in (16, 4))
+            fisher4_live = KL(propagation="fisher", samples=4).fisher_scores(step, layers)
+            fisher16_live = KL(propagation="fisher", samples=16).fisher_scores(step, layers)
+            fisher2_live = KL(propagation="fisher", samples=2).fisher_scores(step, layers)
             estimates = {  # in the order of the printed table
                 "direct": direct,
                 "direct_rank8": rank8,

@@ -46,16 +46,15 @@ def main() -> None:
     read = ReadSettings(budget=None, chunk_size=512, probe_window=32, seed=args.seed)
     reference = session.engine("none", None, read, "original")
     true_text: list[int] | None = None
-    drafted = probes.Drafts.probe_sets
+    drafted = probes.Drafts.requests
 
-    def probe_sets(self, engine, stream, read_logits):  # the drafts, or the true continuation in their place
+    def requests(self, tokens, read_logits, room, generator):  # the drafts, or the true continuation in their place
         if true_text is None:
-            yield from drafted(self, engine, stream, read_logits)
+            yield from drafted(self, tokens, read_logits, room, generator)
             return
-        logits, ctx = engine.forward(stream, true_text, probe_rows=len(true_text))
-        yield probes.ProbeSet(ctx, logits, len(true_text), len(true_text))
+        yield probes.ProbeRequest(true_text, rows=len(true_text), logits_rows=len(true_text))
 
-    probes.Drafts.probe_sets = probe_sets
+    probes.Drafts.requests = requests
     print("| window | budget | probes | KL (256) | first 128 | last 128 |\n|---|---|---|---|---|---|")
     for w, offset in enumerate(draw_offsets(len(ids), body + 256, args.windows, random.Random(args.seed))):
         context, following = bos + ids[offset : offset + body], ids[offset + body : offset + body + 256]

@@ -21,7 +21,7 @@ from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pa
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
-from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction
+from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction, Requests
 from klevict_cli.sampling import penalise_repeats, sample
 from klevict_kernels.refit import refit_values
 
@@ -213,7 +213,8 @@ class Engine:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
                 if drafts:
-                    self.evict_with(stream, drafts.probe_sets(self, stream, logits), recent, final=True)
+                    requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
+                    self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final)
             elif evict:
@@ -284,6 +285,7 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
+            read_end=read_end,
             kept_fraction=self.kept_fraction(read_end, budget),
             budget=budget,
             sinks=sink_count(budget) if budget is not None else 0,
@@ -338,7 +340,6 @@ class Engine:
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
-            self.forget_drafts(stream, probe_set.appended)
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
@@ -420,13 +421,36 @@ class Engine:
         """Judge the entries read since the last time by reconstruction probes (probes.Reconstruction): the policy
         keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`)."""
         scored = list(self._scored_layers(stream))
-        for probe_set in self.reconstruction.probe_sets(self, stream, stream.reconstructed):
+        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.room(stream))
+        for probe_set in self.probe_sets(stream, requests):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
                                       judged=probe_set.judged, appended=probe_set.appended)
-            step.read_end = stream.next_position - probe_set.appended
             self.policy.absorb_reconstruction(step, scored)
-            self.forget_drafts(stream, probe_set.appended)
         stream.reconstructed = stream.next_position
+
+    def room(self, stream: Stream) -> int:
+        """Tokens that can still be appended to the stream within the model's positions."""
+        return self.adapter.max_positions - stream.next_rope
+
+    def probe_sets(self, stream: Stream, requests: Requests) -> Iterator[ProbeSet]:
+        """Run a probe source's requests at the stream's end (probes.py), yielding each scored one's statistics
+        while its tokens are in the stream, and forgetting every request's tokens once it has been used (the
+        cache, tokens and positions are then what they were)."""
+        logits = None
+        while True:
+            try:
+                request = requests.send(logits)
+            except StopIteration:
+                return
+            logits, ctx = self.forward(stream, request.ids, probe_rows=request.rows, logits_rows=request.logits_rows,
+                                       probe_entries=request.entries,
+                                       attend_entries=request.entries if request.sees_only else None, probing=True)
+            try:
+                if request.scored:  # the rows' logits, where the source asked for them all
+                    yield ProbeSet(ctx, logits if request.logits_rows >= request.rows else None, len(request.ids),
+                                   request.rows, request.judged)
+            finally:  # also when the caller stops early
+                self.forget_drafts(stream, len(request.ids))
 
     def forget_drafts(self, stream: Stream, count: int) -> None:
         """Drop the last `count` tokens of the stream (sampled drafts): their cache entries, tokens and positions.

@@ -6,14 +6,15 @@ which tokens those are. Three kinds exist:
   * `Drafts` — tokens sampled past the end of the read (what the text that follows will ask of the cache);
   * `Reconstruction` — the model re-reading the document after a repeat instruction (what questions about the
     document will ask of it: to say what it said, the model must find it in the cache).
-The last two append tokens to the stream, let the policy read their statistics, and are forgotten again
-(`Engine.forget_drafts`): the cache, tokens and positions are then exactly what they were.
+The last two never touch the engine: each is a generator of `ProbeRequest`s — tokens to append at the stream's end
+— that is sent back each request's logits. The engine runs them (`Engine.probe_sets`), lets the policy read the
+statistics, and forgets the tokens again: the cache, tokens and positions are then exactly what they were.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,25 @@ from klevict_cli.sampling import sample, sample_rows
 SINKS = 4  # the first entries, which every query attends to (attention sinks)
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass
+class ProbeRequest:
+    """One forward a probe source asks for: `ids` appended at the stream's end, recording the statistics of the last
+    `rows` of them — their attention over the entries `entries(layer)` marks (None: all), and with `sees_only`,
+    attending to those entries alone — and returning the logits of the last `logits_rows`. `scored`: the policy
+    judges the cache by these rows (False: a draft's intermediate round, whose logits only the source reads)."""
+
+    ids: list[int]
+    rows: int = 0
+    logits_rows: int = 1
+    entries: Callable | None = None
+    sees_only: bool = False
+    judged: tuple[int, int] | None = None  # the positions [lo, hi) whose entries the rows judge; None: all
+    scored: bool = True
+
+
+Requests = Generator[ProbeRequest, "torch.Tensor | None", None]  # sent each request's logits
 
 
 @dataclass
@@ -58,24 +78,25 @@ class Drafts:
         fewer); otherwise only the last token's."""
         return self.count if self.from_read and self.rounds > 0 and read >= self.count else 1
 
-    def probe_sets(self, engine, stream, read_logits: torch.Tensor) -> Iterator[ProbeSet]:
-        count = min(self.count, engine.adapter.max_positions - stream.next_rope)
+    def requests(self, tokens: list[int], read_logits: torch.Tensor, room: int, generator: torch.Generator
+                 ) -> Requests:
+        """The drafts past the end of `tokens` (the read), from the read's last logits; at most `room` of them (the
+        model's positions left)."""
+        count = min(self.count, room)
         if count <= 0:
             return
         read_logits = read_logits.view(-1, read_logits.shape[-1])
-        first = sample(read_logits[-1], 1.0, 1.0, engine.generator)
+        first = sample(read_logits[-1], 1.0, 1.0, generator)
         rounds = self.rounds
         if self.from_read and rounds > 0 and read_logits.shape[0] >= count:
-            draft = [first] + sample_rows(read_logits[read_logits.shape[0] - count : -1], engine.generator)
+            draft = [first] + sample_rows(read_logits[read_logits.shape[0] - count : -1], generator)
             rounds -= 1
         else:
-            draft = [first] + stream.tokens[max(0, len(stream.tokens) - count + 1) :]
+            draft = [first] + tokens[max(0, len(tokens) - count + 1) :]
         for _ in range(rounds):
-            logits, _ = engine.forward(stream, draft, logits_rows=len(draft), probing=True)
-            engine.forget_drafts(stream, len(draft))
-            draft = [first] + sample_rows(logits[:-1], engine.generator)
-        logits, ctx = engine.forward(stream, draft, probe_rows=len(draft), probing=True)
-        yield ProbeSet(ctx, logits, len(draft), len(draft))
+            logits = yield ProbeRequest(draft, logits_rows=len(draft), scored=False)
+            draft = [first] + sample_rows(logits[:-1], generator)
+        yield ProbeRequest(draft, rows=len(draft), logits_rows=len(draft))
 
 
 class Reconstruction:
@@ -114,20 +135,17 @@ class Reconstruction:
         bounds = [lo + (hi - lo) * k // count for k in range(count + 1)]
         return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    def probe_sets(self, engine, stream, start: int) -> Iterator[ProbeSet]:
-        """Re-read the stream's tokens from position `start` to its end, one span per set."""
-        end = stream.next_position
-        read = engine.policy.reads_reconstruction_logits()
+    def requests(self, tokens: list[int], start: int, room: int) -> Requests:
+        """Re-read `tokens` (the document read so far) from position `start` to its end, one span per request,
+        while a span fits in the `room` left in the model's positions."""
+        end = len(tokens)
         for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
-            prompt = self.first if lo <= 1 else self.later + stream.tokens[max(1, lo - self.overlap) : lo]
-            ids = prompt + self.suffix + stream.tokens[lo:hi]
-            if stream.next_rope + len(ids) > engine.adapter.max_positions:
-                return  # no room left in the model's positions to re-read
-            entries = functools.partial(_span_entries, lo, hi, end)
-            logits, ctx = engine.forward(stream, ids, probe_rows=hi - lo, logits_rows=hi - lo if read else 1,
-                                         probe_entries=entries, attend_entries=entries if self.sees == "span" else None,
-                                         probing=True)
-            yield ProbeSet(ctx, logits if read else None, len(ids), hi - lo, judged=(lo, hi))
+            prompt = self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]
+            ids = prompt + self.suffix + tokens[lo:hi]
+            if len(ids) > room:
+                return
+            yield ProbeRequest(ids, rows=hi - lo, entries=functools.partial(_span_entries, lo, hi, end),
+                               sees_only=self.sees == "span", judged=(lo, hi))
 
 
 def _span_entries(lo: int, hi: int, end: int, layer) -> torch.Tensor:

@@ -280,7 +280,8 @@ def test_a_look_ahead_that_evicts_nothing_leaves_the_full_cache_model(model):
     stream = engine.new_stream()
     logits = engine.feed(stream, ids)
     engine.budget = 70  # room for every entry: the eviction runs, drafts and all, and keeps everything
-    engine.evict_with(stream, Drafts(8).probe_sets(engine, stream, logits), recent=8, final=True)
+    drafts = Drafts(8).requests(stream.tokens, logits, engine.room(stream), engine.generator)
+    engine.evict_with(stream, engine.probe_sets(stream, drafts), recent=8, final=True)
     assert stream.tokens == ids and stream.next_rope == 70
     got = engine.feed(stream, question, evict=False)
     assert (got - expected).abs().max().item() <= 1e-4

@@ -77,13 +77,12 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
     before = [[getattr(layer, f).clone() for f in FIELDS] for layer in stream.cache.layers]
     source = reconstruction(span=16)
     seen = []
-    for probe_set in source.probe_sets(engine, stream, 0):
+    for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0, engine.room(stream))):
         lo, hi = probe_set.judged
         prompt = [7, 8, 9] if lo == 1 else [10, 11] + ids[lo - 3 : lo]
         assert stream.tokens == ids + prompt + [12] + ids[lo:hi]  # the instruction, then the span re-read
-        assert probe_set.rows == hi - lo and probe_set.logits is None  # kl's default reads no re-reading logits
+        assert probe_set.rows == hi - lo and probe_set.logits is None  # a re-reading reads no next-token logits
         seen.append((lo, hi))
-        engine.forget_drafts(stream, probe_set.appended)
     assert seen == [(1, 18), (18, 35), (35, 52), (52, 70)]  # 69 tokens in 4 even spans of about 16
     assert stream.tokens == ids and stream.next_rope == 70
     for layer, saved in zip(stream.cache.layers, before):
@@ -101,65 +100,31 @@ def test_a_re_reading_cuts_what_it_rereads_into_even_spans(lo, hi):
     assert all(12 <= size <= 24 for size in sizes) or (len(spans) == 1 and hi - lo < 12)
 
 
-def test_a_re_reading_computes_next_token_logits_only_for_a_policy_that_reads_them(model):
-    """kl reads the re-reading's logits to KL-score it; with reconstruction_weight 0 it does not, and the re-reading
-    skips them (a vocabulary-sized product per token) and records the same attention."""
+def test_a_re_reading_reads_no_next_token_distributions(model):
+    """Every policy judges a re-reading by its attention: it skips the logits (a vocabulary-sized product per
+    token), and the stream is what it was once each span is forgotten."""
     ids = torch.randint(0, 300, (50,)).tolist()
-    recorded = {}
-    for weight in (0.01, 0.0):
-        engine = Engine(model, adapter_for(model), KL(lookahead=0, reconstruction_weight=weight), budget=None,
-                        chunk_size=32)
-        stream = engine.new_stream()
-        engine.feed(stream, ids)
-        recorded[weight] = []
-        for probe_set in reconstruction(span=16).probe_sets(engine, stream, 0):
-            recorded[weight].append((probe_set.logits, probe_set.ctx.probes[1].weights))
-            engine.forget_drafts(stream, probe_set.appended)
-    assert [logits.shape[0] for logits, _ in recorded[0.01]] == [16, 16, 17]
-    assert all(logits is None for logits, _ in recorded[0.0])
-    for (_, read), (_, skipped) in zip(recorded[0.01], recorded[0.0]):
-        torch.testing.assert_close(skipped, read)
-
-
-@torch.inference_mode()  # as the engine scores
-def test_kl_scores_of_a_span_equal_the_full_scores_restricted_to_it(model):
-    """A span's scores come from its columns only — recorded alone (normalised by the kernel's log-sum-exp), or
-    gathered from a full attention map — and must be the full computation's on them."""
-    ids = torch.randint(0, 300, (60,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=0, calibrate=False, reconstruction_weight=0.01),
-                    budget=None, chunk_size=32)
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    policy = engine.policy
-    probe_set = next(reconstruction(span=16).probe_sets(engine, stream, 20))
-    assert probe_set.ctx.probes[0].columns is not None  # recorded over the sinks, the span and the re-reading
-    step = engine.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, judged=probe_set.judged)
-    recorded = policy.probe_scores(step, [0, 1])
-    appended = stream.tokens[-probe_set.appended :]
-    engine.forget_drafts(stream, probe_set.appended)
-    logits, ctx = engine.forward(stream, appended, probe_rows=probe_set.rows)  # the same probes, full map
-    full = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows), [0, 1])
-    lo, hi = probe_set.judged
-    gathered = policy.probe_scores(engine.eviction_step(stream, ctx, logits, probe_set.rows, judged=(lo, hi)), [0, 1])
-    for i in (0, 1):
-        layer = stream.cache.layers[i]
-        inside = (layer.positions >= lo) & (layer.positions < hi)
-        for span in (recorded[i], gathered[i]):
-            assert torch.allclose(span[inside], full[i][inside], rtol=1e-4, atol=1e-9)
-            assert not span[~inside].any()
+    spans = []
+    for probe_set in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0, engine.room(stream))):
+        assert probe_set.logits is None and probe_set.ctx.probes[1].weights.shape[1] == probe_set.rows
+        spans.append(probe_set.judged)
+    assert spans == [(1, 17), (17, 33), (33, 50)] and stream.tokens == ids
 
 
-def test_kl_with_reconstruction_adds_what_the_re_reading_learnt(model):
+def test_kl_with_reconstruction_keeps_what_the_re_reading_paid_attention_to(model):
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.01), budget=20, chunk_size=32,
-                    probe_window=8, reconstruction=reconstruction())
+    engine = Engine(model, adapter_for(model), KL(lookahead=4), budget=20, chunk_size=32, probe_window=8,
+                    reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert stream.reconstructed == 90 and stream.tokens == ids and engine.held_per_head(stream) == 20
     for layer in stream.cache.layers:
-        stored = layer.extras[KL.EXTRA]
+        stored = layer.extras[KL.QUESTION_EXTRA]
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
-
+        assert KL.COPY_EXTRA not in layer.extras  # the re-reading stands in for the read's own estimate of it
 
 def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
     """With a re-reading, the look-ahead is sampled only where the last choice keeps at most `reread_drafts_up_to` of
@@ -201,89 +166,32 @@ def test_kl_refits_without_a_re_reading_only_where_it_keeps_little():
     assert not policy.refits(final=False, kept_fraction=0.1, reread=True)
 
 
-def test_with_no_weight_the_re_reading_is_not_kl_scored_but_still_keeps_what_questions_need(model):
-    """reconstruction_weight=0: the re-reading's KL would never count, so it is not computed (the costly part of a
-    re-reading's scoring); KVzip's score of it is, and the question share still lifts its top entries."""
+@pytest.mark.parametrize("reread", [True, False])
+def test_a_share_of_the_budget_is_kept_for_what_a_re_reading_needs_most(model, reread):
+    """With a budget, the entries a re-reading needs most — by the most attention the re-reading paid them (KVzip's
+    score, `question_share`), or without one by the read's own estimate of it (`copy_share`) — that share of what
+    the floor leaves, over all layers and heads, score above every other entry; the rest keep the KL's order."""
     ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.0), budget=40, chunk_size=32,
-                    probe_window=8, reconstruction=reconstruction())
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25, copy_share=0.5), budget=40,
+                    chunk_size=32, probe_window=8, reconstruction=reconstruction() if reread else None)
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    assert all(KL.EXTRA not in layer.extras and KL.QUESTION_EXTRA in layer.extras for layer in stream.cache.layers)
     kl, layers = engine.policy, list(range(len(stream.cache.layers)))
+    name, share = (KL.QUESTION_EXTRA, 0.25) if reread else (KL.COPY_EXTRA, 0.5)
     with torch.inference_mode():
         logits, ctx = engine.probe_again(stream, 8)
         step = engine.eviction_step(stream, ctx, logits, 8, budget=20, recent=8)
         got, plain = kl.score_layers(step, layers), kl.probe_scores(step, layers)
-    lifted = [((got[i] - plain[i]) > 0) & stream.cache.layers[i].valid for i in layers]
-    # a share of what the sinks (4) and the recent window (8) leave of the budget; none of them is lifted
-    assert sum(int(m.sum()) for m in lifted) == int(kl.question_share * (20 - 4 - 8) * sum(m.shape[0] for m in lifted))
-    assert not any((m & step.kept_anyway(stream.cache.layers[i])).any() for i, m in zip(layers, lifted))
-    # a share decided by the re-reading's KL still needs it scored, whatever the weight
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, reconstruction_weight=0.0, question_scores="kl"),
-                    budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
-    stream = engine.new_stream()
-    engine.feed(stream, ids)
-    assert all(KL.EXTRA in layer.extras for layer in stream.cache.layers)
-
-
-def test_the_re_reading_counts_more_the_more_of_the_document_is_kept(model):
-    """The stored re-reading KL enters a later eviction calibrated like the look-ahead's scores, weighted by
-    reconstruction_weight × (kept fraction / 20 %)^4; stored raw (the calibration comes from the first eviction's
-    own probes, not from a re-reading)."""
-    policy = KL(reconstruction_weight=0.01)
-    assert policy.weight_of_reconstruction(0.2) == pytest.approx(0.01)
-    assert policy.weight_of_reconstruction(0.05) == pytest.approx(0.01 / 256)
-    assert policy.weight_of_reconstruction(None) == policy.weight_of_reconstruction(1.0) == pytest.approx(6.25)
-    ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.0, reconstruction_weight=0.01),
-                    budget=40, chunk_size=32, probe_window=8,
-                    reconstruction=reconstruction())  # the weighting alone: no share lifted
-    stream = engine.new_stream()
-    engine.feed(stream, ids)
-    kl = engine.policy
-    assert kl.calibration is not None
-    with torch.inference_mode():  # as the engine scores
-        logits, ctx = engine.probe_again(stream, 8)
-        layers = list(range(len(stream.cache.layers)))
-        look_ahead = kl.probe_scores(engine.eviction_step(stream, ctx, logits, 8), layers)
-        scored = [kl.score_layers(engine.eviction_step(stream, ctx, logits, 8, budget=round(fraction * 90)), layers)
-                  for fraction in (0.1, 0.4)]  # the budget over the 90 tokens read
-    for got, fraction in zip(scored, (0.1, 0.4)):
-        for i in layers:
-            stored = stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None]
-            expected = look_ahead[i] + kl.weight_of_reconstruction(fraction) * stored
-            assert torch.allclose(got[i], expected, rtol=1e-5, atol=1e-12)
-
-
-@pytest.mark.parametrize("needed", ["kl", "attention"])
-def test_a_share_of_the_budget_is_kept_for_what_the_re_reading_needs_most(model, needed):
-    """With question_share, the entries the re-reading needs most — by its (calibrated) KL, or by the most attention
-    it paid them (KVzip's score) — that share of the budget, over all layers and heads, score above every other
-    entry, and the rest keep their order."""
-    ids = torch.randint(0, 300, (90,)).tolist()
-    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25, question_scores=needed,
-                                                   reconstruction_weight=0.01),
-                    budget=40, chunk_size=32, probe_window=8, reconstruction=reconstruction())
-    stream = engine.new_stream()
-    engine.feed(stream, ids)
-    kl, layers = engine.policy, list(range(len(stream.cache.layers)))
-    with torch.inference_mode():
-        logits, ctx = engine.probe_again(stream, 8)
-        step = engine.eviction_step(stream, ctx, logits, 8, budget=20, recent=8)
-        got = kl.score_layers(step, layers)
-        kl.question_share = 0.0
-        plain = kl.score_layers(step, layers)
     # candidates: what the engine does not keep anyway (the sinks and the recent window)
     valid = [stream.cache.layers[i].valid & ~step.kept_anyway(stream.cache.layers[i]) for i in layers]
-    stored = torch.cat([(stream.cache.layers[i].extras[KL.EXTRA] * kl.calibration[i][:, None] if needed == "kl"
-                         else stream.cache.layers[i].extras[KL.QUESTION_EXTRA])[v] for i, v in zip(layers, valid)])
+    stored = torch.cat([stream.cache.layers[i].extras[name][v] for i, v in zip(layers, valid)])
     heads = sum(v.shape[0] for v in valid)
     lifted = torch.cat([(g - p)[v] for g, p, v in zip(got.values(), plain.values(), valid)]) > 0
-    assert int(lifted.sum()) == int(0.25 * (20 - 4 - 8) * heads)  # a share of what the sinks and window leave
+    assert int(lifted.sum()) == int(share * (20 - 4 - 8) * heads)  # a share of what the sinks and window leave
     assert torch.equal(lifted, stored >= stored.topk(int(lifted.sum())).values[-1])
     scores = torch.cat([g[v] for g, v in zip(got.values(), valid)])
     assert scores[lifted].min() > scores[~lifted].max()
+    assert not any((got[i] - plain[i])[step.kept_anyway(stream.cache.layers[i])].any() for i in layers)
 
 
 def assert_max_of_restricted_attention(got, weights, inside, judged, factor):
@@ -324,11 +232,11 @@ def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
 
 
 def test_kl_measures_what_questions_need_as_kvzip_does(model):
-    """KL(question_scores="attention") keeps, per entry, KVzip's score of the same re-reading: read in one choice
+    """KL keeps, per entry, KVzip's score of the same re-reading: read in one choice
     (the same cache is re-read by both), the entries both keep carry the same score."""
     ids = torch.randint(0, 300, (60,)).tolist()
     kept = {}
-    for policy, name in ((KL(lookahead=4, question_share=0.25, question_scores="attention"), KL.QUESTION_EXTRA),
+    for policy, name in ((KL(lookahead=4), KL.QUESTION_EXTRA),
                          (make_policy("kvzip"), "kvzip")):
         engine = Engine(model, adapter_for(model), policy, budget=30, chunk_size=64, probe_window=8,
                         reconstruction=reconstruction())
@@ -518,13 +426,15 @@ def test_a_re_reading_sees_the_whole_cache_or_only_its_span(model):
     engine.feed(stream, ids)
     for sees in ("all", "span"):
         source = Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=16, overlap=3, sees=sees)
-        probe_set = next(source.probe_sets(engine, stream, 20))
+        sets = engine.probe_sets(stream, source.requests(stream.tokens, 20, engine.room(stream)))
+        probe_set = next(sets)
         layer = stream.cache.layers[0]
         visible = probe_set.ctx.visible(layer)
         hidden = layer.valid & ~visible
         assert (not hidden.any()) if sees == "all" else bool(
             ((layer.positions[hidden] >= 4) & ~((layer.positions[hidden] >= 20) & (layer.positions[hidden] < 36))).all()
             and hidden.any())
-        engine.forget_drafts(stream, probe_set.appended)
+        sets.close()  # stopped after one span: the engine still forgets it
+        assert stream.tokens == ids
     with pytest.raises(ValueError, match="sees"):
         Reconstruction(first=[7], later=[8], suffix=[9], sees="everything")

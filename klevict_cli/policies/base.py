@@ -30,7 +30,7 @@ class EvictionStep:
     generator: torch.Generator | None = None
     final: bool = False  # the last eviction of a read: what remains is what questions will see
     judged: tuple[int, int] | None = None  # only entries at positions [lo, hi) are judged (reconstruction probes)
-    read_end: int | None = None  # reconstruction probes: entries from this position on are the re-reading itself
+    read_end: int | None = None  # the tokens read: entries from this position on are appended probes (drafts, a re-reading)
     kept_fraction: float | None = None  # the budget over the tokens read so far (how much of the document survives)
     budget: int | None = None  # entries per head (on average) the eviction keeps
     # The engine keeps, whatever the scores, the first `sinks` entries and those at the `recent` positions (the last
@@ -137,11 +137,6 @@ class Policy:
         """Learn from one reconstruction probe set (its rows re-read the entries at positions `step.judged`), into
         per-entry state (`LayerCache.extras`) that later `score` calls read."""
         raise NotImplementedError(f"{self.name} does not use reconstruction probes")
-
-    def reads_reconstruction_logits(self) -> bool:
-        """Whether `absorb_reconstruction` reads the re-reading's next-token distributions: when it does not, the
-        re-reading skips them (a vocabulary-sized product per re-read token)."""
-        return False
 
     def observe(self, adapter: ModelAdapter, layer_idx: int, layer: LayerCache, query: torch.Tensor,
                 key: torch.Tensor, query_positions: torch.Tensor, scaling: float, lse: torch.Tensor) -> None:

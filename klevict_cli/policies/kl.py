@@ -35,10 +35,9 @@ import torch
 
 from klevict_kernels.attention_rules import copy_attention, restricted_max_attention
 from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
-from klevict_cli.cache import LayerStack, Stacked, mask_columns, pad_stack
-from klevict_cli.policies.base import EvictionStep, Policy, judged_mask, reconstruction_columns, spread, values_at
+from klevict_cli.cache import LayerStack, Stacked, pad_stack
+from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread
 
-RECONSTRUCTION_PIVOT = 0.2  # see KL.weight_of_reconstruction
 STACKED_WORK_BYTES = {False: 32 << 20, True: 1 << 30}  # KL.stacked_entry_scores' work tensor, on a CPU / a GPU
 BLOCK_BYTES = {False: 2 << 20, True: None}  # kl_scores' blocks of entries, on a CPU / a GPU (kernels/kl.py)
 
@@ -52,21 +51,21 @@ class KL(Policy):
     name = "kl"
     needs_probes = True
     reconstruction = "optional"
-    # Each span is re-read against the sinks and itself only: with the re-reading kept for the question share (not
-    # KL-scored), this cost a fraction of re-reading against the whole cache and was as good or better at 50/20/5 %
-    # kept, 1.2x worse at 10 %, on the tuning windows (docs/research-log.md, "a cheap re-reading")
+    # Each span is re-read against the sinks and itself only: this cost a fraction of re-reading against the whole
+    # cache and was as good or better at 50/20/5 % kept, 1.2x worse at 10 %, on the tuning windows
+    # (docs/research-log.md, "a cheap re-reading")
     reconstruction_sees = "span"
     # Spans of 256 rather than 128: fewer repeat instructions to read (about 4,300 tokens re-read for a 4,096-token
     # document instead of 4,950) in larger forwards; with 64 drafts they cut `compress`'s cost
     # by about 0.3-0.5x a read at the same KL on the tuning windows (docs/research-log.md)
     reconstruction_span = 256
-    EXTRA = "kl_reconstruction"  # per entry: the KL its removal causes to the re-reading of its span
-    QUESTION_EXTRA = "kl_question"  # per entry: KVzip's score, the most attention the re-reading paid it
-    COPY_EXTRA = "kl_copy"  # per entry: the attention a re-reading's copying query would pay it, from the read itself
+    # Per entry, the most attention a copying query pays it (what the shares of the budget are decided by):
+    QUESTION_EXTRA = "kl_question"  # the re-reading's (KVzip's score), where the document is re-read
+    COPY_EXTRA = "kl_copy"  # a re-reading's as the read's own queries estimate it (`observe`), where it is not
 
     # Constants, each set by a measurement on the tuning windows (docs/research-log.md); a subclass may change them.
     # Where the document is re-read too, drafts probe the read's last choice only where it keeps at most this part of
-    # the document: above it the question share and the refit to the last tokens read did nearly as well (1.1-1.4x
+    # the document: above it the re-reading and the refit to the last tokens read did nearly as well (1.1-1.4x
     # the KL at 20/50 %, still far below KVgrad's at 50 %) for about 0.3x a read less.
     reread_drafts_up_to = 0.15
     # Without a re-reading, refit only where the read's last choice keeps at most this part of the document: the
@@ -80,42 +79,36 @@ class KL(Policy):
     # a re-reading of a document would ask them: not moving them was 2x worse than the look-ahead alone at 50 %;
     # moving them by the read's own length instead was within noise at 512 tokens (0.99x).
     copy_distance = 4096
+    # Research switches: direct scores calibrated by the Fisher path (per-layer factors change nothing inside a
+    # layer, so only global allocation needs them); the Fisher re-run recomputing the probes' own keys and values
+    # (klevict_cli/fisher.py) so that an early probe's change reaches the later ones, as an eviction reaches the
+    # tokens after it.
+    calibrates = True
+    live_probes = True
 
     def __init__(self, propagation: str = "direct", allocation: str = "global", top_k: int = 64, rank: int = 4,
-                 samples: int = 2, calibrate: bool = True, probes: str = "live", lookahead: int = 64,
-                 reconstruction_weight: float = 0.0, reconstruction_rank: int = 4, reconstruction_power: float = 4.0,
-                 question_share: float = 0.6, question_scores: str = "attention", refit: str = "final",
+                 samples: int = 2, lookahead: int = 64, refit: str = "final", question_share: float = 0.6,
                  copy_share: float = 0.3):
         self.propagation = propagation
         self.allocation = allocation
-        self.top_k, self.rank, self.samples, self.calibrate = top_k, rank, samples, calibrate
-        if probes not in ("live", "frozen"):
-            raise ValueError(f"probes must be 'live' or 'frozen', not {probes!r}")
-        self.probes = probes  # the Fisher re-run's probe keys/values (klevict_cli/fisher.py)
-        # 64 drafts: with the copy share below they kept the same KL as 128 on the tuning windows (1.06x / 0.96x /
-        # 0.99x / 0.89x at 50 / 20 / 10 / 5 % kept) for half the drafting (docs/research-log.md); fewer for short
-        # reads (32 at 512 tokens) were 1.4-1.9x worse on Hamlet
+        self.top_k, self.rank, self.samples = top_k, rank, samples
+        # 64 drafts: they kept the same KL as 128 on the tuning windows (1.06x / 0.96x / 0.99x / 0.89x at 50 / 20 /
+        # 10 / 5 % kept) for half the drafting (docs/research-log.md); fewer for short reads (32 at 512 tokens) were
+        # 1.4-1.9x worse on Hamlet
         self.lookahead = lookahead
-        self.reconstruction_weight, self.reconstruction_power = reconstruction_weight, reconstruction_power
-        self.reconstruction_rank = reconstruction_rank  # readout rank for the re-reading's rows (they copy: peaked)
-        # Of the budget, kept for the entries the re-reading needs most (only where there was a re-reading, as in
-        # `compress`): on the tuning haystacks, 0.6 by KVzip's score kept 7/40 needles at 10 % where 0.3 kept 0-1/40
-        # (and 1.0 1-3/40), with the continuation's KL 1.1x / 0.88x / 1.0x 0.3's at 20/10/5 % (docs/research-log.md).
-        self.question_share = question_share
-        if question_scores not in ("kl", "attention"):
-            raise ValueError(f"question_scores must be 'kl' or 'attention', not {question_scores!r}")
-        self.question_scores = question_scores  # "most needed": by the re-reading's KL, or its attention (KVzip)
         if refit not in ("never", "final", "always"):
             raise ValueError(f"refit must be 'never', 'final' or 'always', not {refit!r}")
         self.refit = refit
+        # Of what the floor leaves of the budget, kept for the entries a re-reading needs most, by the re-reading
+        # where there is one (`compress`): on the tuning haystacks 0.6 kept 7/40 needles at 10 % where 0.3 kept
+        # 0-1/40 (and 1.0 1-3/40), with the continuation's KL 1.1x / 0.88x / 1.0x 0.3's at 20/10/5 %; and by the
+        # read's own estimate of it where not (`summarize`, `observe`): 0.3 made the KL of the text that follows
+        # 0.12x / 0.25x / 0.40x / 0.63x the look-ahead's alone at 50 / 20 / 10 / 5 % kept (15 % and 60 % as well or
+        # a little worse). Why a share and not a weight in the KL sum: docs/method.md, "one objective".
+        self.question_share, self.copy_share = question_share, copy_share
+        self.observes = copy_share > 0
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
         self.adopted: dict[int, torch.Tensor] | None = None  # the model's calibration, where adopted (`adopt`)
-        # Without a re-reading, the part of the budget kept for the entries a re-reading would need most, as the read's
-        # own queries estimate it (`observe`): on the tuning windows a share of 30 % made the KL of the text that
-        # follows 0.12x / 0.25x / 0.40x / 0.63x the look-ahead's alone at 50 / 20 / 10 / 5 % kept (3 of 3 windows
-        # each; 15 % and 60 % did as well or a little worse), at no measurable cost (docs/research-log.md).
-        self.copy_share = copy_share
-        self.observes = copy_share > 0
         # per layer: (the next position, the query and lse of the last token read), for the next forward's first entry
         self._last_query: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
@@ -134,8 +127,8 @@ class KL(Policy):
         layer.extra(self.COPY_EXTRA)[:, -t:] = scores
 
     def observes_read(self, reread: bool) -> bool:
-        """The copy estimate stands in for a re-reading's attention: with a re-reading that decides the question
-        share, it would be computed and never used."""
+        """The copy estimate stands in for a re-reading: with a re-reading that counts, it would be computed and
+        never used."""
         return self.observes and not (reread and self.question_share > 0)
 
     def reset(self) -> None:
@@ -169,15 +162,12 @@ class KL(Policy):
 
     def params(self) -> dict[str, str]:
         return {"propagation": self.propagation, "allocation": self.allocation, "top_k": str(self.top_k),
-                "rank": str(self.rank), "samples": str(self.samples), "calibrate": str(self.calibrate).lower(),
-                "probes": self.probes, "lookahead": str(self.lookahead),
+                "rank": str(self.rank), "samples": str(self.samples), "lookahead": str(self.lookahead),
+                "refit": self.refit, "question_share": str(self.question_share), "copy_share": str(self.copy_share),
+                "calibrates": str(self.calibrates).lower(), "live_probes": str(self.live_probes).lower(),
                 "reread_drafts_up_to": str(self.reread_drafts_up_to), "refit_up_to": str(self.refit_up_to),
-                "reconstruction_weight": str(self.reconstruction_weight),
-                "reconstruction_power": str(self.reconstruction_power),
-                "reconstruction_rank": str(self.reconstruction_rank),
-                "question_share": str(self.question_share), "question_scores": self.question_scores,
-                "calibration_rows": str(self.calibration_rows), "copy_share": str(self.copy_share),
-                "copy_distance": str(self.copy_distance), "refit": self.refit, "refit_ridge": str(self.refit_ridge)}
+                "calibration_rows": str(self.calibration_rows), "copy_distance": str(self.copy_distance),
+                "refit_ridge": str(self.refit_ridge)}
 
     def draft_rounds(self, reread: bool, read: int, count: int) -> int:
         """One round for a short read that is not re-read: the drafts are then the read's own predictions of its
@@ -202,36 +192,23 @@ class KL(Policy):
         return self.score_layers(step, [layer_idx])[layer_idx]
 
     def score_layers(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
-        """Estimated KL of removing each entry for these probes, plus (weighted) what the re-reading of its span
-        estimated when it was read (`absorb_reconstruction`), when reconstruction probes were used."""
+        """Estimated KL of removing each entry for these probes; with a budget, a share of it lifted above every
+        score for the entries a re-reading needs most (`reserve_for_questions`): by the re-reading itself where
+        there was one (`question_share`), by the read's own estimate of it where not (`copy_share`)."""
         scores = self.probe_scores(step, layer_ids)
-        if step.judged is not None:  # a re-reading's own probes
+        if step.budget is None:
             return scores
-        stored = self.stored(step, layer_ids, self.EXTRA)
-        if stored:
-            weight = self.weight_of_reconstruction(step.kept_fraction)
-            ids = list(stored)
-            if isinstance(scores, Stacked) and ids == scores.layer_ids:  # one addition for every layer
-                extra = pad_stack([stored[i] for i in ids]).to(scores.tensor)
-                scores = Stacked(scores.tensor + weight * extra[..., : scores.tensor.shape[-1]], ids, scores.widths)
-            else:
-                scores = {i: s + weight * stored[i].to(s) if i in stored else s for i, s in scores.items()}
-        if self.question_share > 0 and step.budget is not None:
-            needed = stored if self.question_scores == "kl" else self.stored(step, layer_ids, self.QUESTION_EXTRA)
-            if needed:
-                scores = self.reserve_for_questions(step, dict(scores), needed, self.question_share)
-            elif self.copy_share > 0:
-                copied = self.stored(step, layer_ids, self.COPY_EXTRA)
-                if copied:
-                    scores = self.reserve_for_questions(step, dict(scores), copied, self.copy_share)
-        return scores
+        needed, share = self.stored(step, layer_ids, self.QUESTION_EXTRA), self.question_share
+        if not needed:
+            needed, share = self.stored(step, layer_ids, self.COPY_EXTRA), self.copy_share
+        if not needed or share <= 0:
+            return scores
+        return self.reserve_for_questions(step, dict(scores), needed, share)
 
-    def stored(self, step: EvictionStep, layer_ids: list[int], name: str) -> dict[int, torch.Tensor]:
-        """What the re-readings stored under `name`, per layer that has it (the re-reading's KL calibrated)."""
-        found = {i: step.cache.layers[i].extras[name] for i in layer_ids if name in step.cache.layers[i].extras}
-        if name == self.EXTRA and found and self.calibration is not None:
-            return apply_calibration(found, self.calibration)
-        return found
+    @staticmethod
+    def stored(step: EvictionStep, layer_ids: list[int], name: str) -> dict[int, torch.Tensor]:
+        """What the read or its re-reading stored under `name`, per layer that has it."""
+        return {i: step.cache.layers[i].extras[name] for i in layer_ids if name in step.cache.layers[i].extras}
 
     def reserve_for_questions(self, step: EvictionStep, scores: dict[int, torch.Tensor],
                               stored: dict[int, torch.Tensor], share: float) -> dict[int, torch.Tensor]:
@@ -255,43 +232,20 @@ class KL(Policy):
             scores[i] = scores[i] + lift.to(scores[i]) * chosen.to(scores[i])
         return scores
 
-    def weight_of_reconstruction(self, kept_fraction: float | None) -> float:
-        """How much the re-reading's KL counts against the look-ahead's: `reconstruction_weight` at 20 % kept,
-        scaled by (kept fraction / 20 %) to the power `reconstruction_power`. A generous budget can keep what
-        questions need as well as what the next text needs — beyond the look-ahead's few probes, its scores are
-        noise-level and the re-reading decides — while a tight one must spend itself on the next text: on a Moby
-        Dick tuning window (seed 2), weight 0.01 made the continuation's KL 0.12× at 50 %, 0.68× at 20 %, but 1.4×
-        at 10 % and 2× at 5 % (docs/research-log.md)."""
-        fraction = 1.0 if kept_fraction is None else kept_fraction
-        return self.reconstruction_weight * (fraction / RECONSTRUCTION_PIVOT) ** self.reconstruction_power
-
-    def reads_reconstruction_logits(self) -> bool:
-        """The re-reading is KL-scored (its direct readout needs the logits) only where its KL counts: weighted in,
-        or deciding the question share."""
-        return self.reconstruction_weight > 0 or (self.question_share > 0 and self.question_scores == "kl")
-
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
-        """Store, per judged entry, what the re-reading of its span learnt: KVzip's score (the most attention it paid
-        the entry) for the question share, and where it counts the re-reading's direct-path KL. The KL is stored
-        uncalibrated: the calibration is learnt from the probes of the first eviction (the text read or drafted, not
-        a re-reading, whose copying queries weigh heads differently) and applied when the stored scores are used."""
-        if self.reads_reconstruction_logits():
-            for i, s in self.direct_scores(step, layer_ids, self.reconstruction_rank).items():
-                layer = step.cache.layers[i]
-                layer.extras[self.EXTRA] = layer.extra(self.EXTRA) + s.float()
-        if self.question_share > 0 and self.question_scores == "attention":
-            for i in layer_ids:
-                layer = step.cache.layers[i]
-                columns, inside, judged = reconstruction_columns(step, i)
-                attention = spread(layer, columns, restricted_max_attention(step.probes[i].weights, inside, judged))
-                layer.extras[self.QUESTION_EXTRA] = torch.maximum(layer.extra(self.QUESTION_EXTRA), attention)
+        """Store, per judged entry, the most attention the re-reading of its span paid it (KVzip's score): what the
+        question share is decided by."""
+        for i in layer_ids:
+            layer = step.cache.layers[i]
+            columns, inside, judged = reconstruction_columns(step, i)
+            attention = spread(layer, columns, restricted_max_attention(step.probes[i].weights, inside, judged))
+            layer.extras[self.QUESTION_EXTRA] = torch.maximum(layer.extra(self.QUESTION_EXTRA), attention)
 
     def probe_scores(self, step: EvictionStep, layer_ids: list[int]) -> dict[int, torch.Tensor]:
         if self.propagation == "fisher":
             return self.fisher_scores(step, layer_ids)
-        if self.calibrate and self.allocation == "global" and self.calibration is None:  # a per-layer factor
-            # changes nothing inside a layer, so only global allocation needs it. The sample's direct scores are
-            # part of the whole's: scored once, apart from the other probes.
+        if self.calibrates and self.allocation == "global" and self.calibration is None:
+            # the sample's direct scores are part of the whole's: scored once, apart from the other probes
             others, sample = step.split_probes(self.calibration_rows)
             direct = self.direct_scores(sample, layer_ids)
             scores = direct if others is None else add_scores(self.direct_scores(others, layer_ids), direct)
@@ -300,11 +254,10 @@ class KL(Policy):
             scores = self.direct_scores(step, layer_ids)
         return apply_calibration(scores, self.calibration) if self.calibration is not None else scores
 
-    def direct_scores(self, step: EvictionStep, layer_ids: list[int], rank: int | None = None
-                      ) -> Mapping[int, torch.Tensor]:
+    def direct_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
         adapter = step.adapter
         factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight,
-                                 self.top_k, rank or self.rank,
+                                 self.top_k, self.rank,
                                  jacobian_scale=adapter.logit_jacobian_scale(step.logits))
         if stackable(step, layer_ids) and all(adapter.post_attention_norm(i) is None for i in layer_ids):
             readout = to_head_space(factors, adapter.output_projections(layer_ids), step.probes[layer_ids[0]]
@@ -346,27 +299,13 @@ class KL(Policy):
 
     def entry_scores(self, step: EvictionStep, i: int, readout: torch.Tensor, fold_probes: bool = False
                      ) -> torch.Tensor:
-        """kl_scores of layer i's entries for these probes; with `step.judged`, only the judged entries' columns are
-        scored (the rest are 0): the probes' attention was recorded over some entries only, or is gathered."""
-        probe, layer = step.probes[i], step.cache.layers[i]
-        kv_heads = layer.keys.shape[0]
-        if step.judged is None and probe.columns is None:
-            return kl_scores(probe.weights, probe.output, layer.values, readout, kv_heads, fold_probes=fold_probes,
-                             block_bytes=block_bytes(layer.values))
-        columns, present = probe.entries(layer)
-        weights = probe.weights
-        if probe.columns is None:  # a full attention map: gather the judged columns first
-            columns, present = mask_columns(judged_mask(layer, step.judged))
-            per_query = columns.repeat_interleave(weights.shape[0] // kv_heads, dim=0)
-            weights = weights.gather(2, per_query[:, None, :].expand(-1, weights.shape[1], -1))
-        judged = present & judged_mask(layer, step.judged).gather(1, columns)
-        values = values_at(layer.values, columns)
-        scores = kl_scores(weights, probe.output, values, readout, kv_heads, fold_probes=fold_probes,
-                           block_bytes=block_bytes(values)) * judged
-        return spread(layer, columns, scores)
+        """kl_scores of layer i's entries for these probes."""
+        layer = step.cache.layers[i]
+        return kl_scores(step.probes[i].weights, step.probes[i].output, layer.values, readout, layer.keys.shape[0],
+                         fold_probes=fold_probes, block_bytes=block_bytes(layer.values))
 
     def fisher_scores(self, step: EvictionStep, layer_ids: list[int]) -> Mapping[int, torch.Tensor]:
-        live = self.probes == "live"
+        live = self.live_probes
         grads = step.backward(self.samples, live)
         scale = math.sqrt(self.samples)
         if stackable(step, layer_ids):
