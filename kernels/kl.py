@@ -19,6 +19,12 @@ from __future__ import annotations
 import torch
 
 
+def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per row, KL(p_reference ‖ p) in nats (float64): how far `logits` (M, V) moved from `reference_logits`."""
+    reference, moved = reference_logits.double().log_softmax(dim=-1), logits.double().log_softmax(dim=-1)
+    return (reference.exp() * (reference - moved)).sum(dim=-1).clamp(min=0)
+
+
 def removal_coefficients(weights: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:
     """a/(1-a): how strongly removing an entry moves the head output towards the others. (Hq, W, C)"""
     return weights / (1.0 - weights).clamp_min(clamp)

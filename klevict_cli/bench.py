@@ -39,6 +39,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from klevict_kernels.kl import token_kl
 from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget
@@ -147,9 +148,8 @@ def parse_budgets(text: str) -> list[Budget]:
 def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     """Mean per-token KL(p_full ‖ p_comp) in nats, top-1 agreement and the NLL of the true tokens (float64).
     logits: (M, V) predicting `targets` (M,)."""
-    lp_full = full_logits.double().log_softmax(dim=-1)
     lp_comp = comp_logits.double().log_softmax(dim=-1)
-    kl = (lp_full.exp() * (lp_full - lp_comp)).sum(dim=-1).clamp(min=0)
+    kl = token_kl(full_logits, comp_logits)
     agree = (full_logits.argmax(dim=-1) == comp_logits.argmax(dim=-1)).double()
     nll = -lp_comp.gather(1, targets[:, None].to(lp_comp.device))[:, 0]
     return {"kl": float(kl.mean()), "top1": float(agree.mean()), "nll": float(nll.mean()),
@@ -223,6 +223,7 @@ def timed_read(session, doc_ids: list[int], settings: ReadSettings, reserve: int
         "stream": stream, "engine": result.engine, "logits": result.logits, "seconds": result.seconds,
         "cache_bytes": stream.cache.nbytes(), "peak_cache_bytes": result.peak_cache_bytes,
         "kept_entries": sum(sum(c) for c in stream.cache.kept_counts()),
+        "estimated_kl": None if stream.drift is None else stream.drift["kl"],
         "peak_device_bytes": torch.cuda.max_memory_allocated(session.lm.model.device) - base if cuda else None,
     }
 
@@ -288,7 +289,7 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
             if saved is None:
                 raise UsageError(f"--resume: the saved run has no {method} @ {label}")
             for name in row:
-                row[name][:] = saved[name][:done]
+                row[name][:] = saved.get(name, [None] * done)[:done]  # None: a number older runs did not record
     return done
 
 
@@ -302,7 +303,7 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
     results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
                                              "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
-                                             "kept_entries")}
+                                             "kept_entries", "estimated_kl")}
                    for label in labels} for m in settings.methods}
     stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
     done = carry_over(previous, full, results, offsets, "offsets")
@@ -341,7 +342,8 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
             row = results[method][label]
             for key, value in token_metrics(ref_logits, logits, targets).items():
                 row[key].append(value)
-            for key in ("seconds", "cache_bytes", "peak_cache_bytes", "peak_device_bytes", "kept_entries"):
+            for key in ("seconds", "cache_bytes", "peak_cache_bytes", "peak_device_bytes", "kept_entries",
+                        "estimated_kl"):
                 row[key].append(got[key])
             row["time_ratio"].append(got["seconds"] / max(full["seconds"][-1], 1e-12))
             row["cache_fraction"].append(got["cache_bytes"] / max(full["cache_bytes"][-1], 1))

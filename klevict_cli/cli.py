@@ -294,6 +294,8 @@ def read_summary(result) -> dict:
         "position_mode": result.plan.mode,
         "kept_entries": kept,
         "cache_bytes": cache.nbytes(),
+        # the read's last eviction, measured on its drafts (mean KL per token, nats; None where nothing drafted)
+        "estimated_kl": result.stream.drift,
         "read_seconds": round(result.seconds, 3),
         "tokens_per_second": round((result.document_tokens + result.prefix_tokens) / max(result.seconds, 1e-9), 1),
     }

@@ -23,6 +23,7 @@ from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, hea
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction, Requests
 from klevict_cli.sampling import penalise_repeats, sample
+from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
 
 POSITION_MODES = ("auto", "original", "compact")
@@ -46,6 +47,7 @@ class Stream:
     next_rope: int = 0
     policy_state: dict[str, str] = field(default_factory=dict)  # what the policy learnt reading it (kl: calibration)
     reconstructed: int = 0  # positions before this were judged by reconstruction probes (Engine.reconstruct)
+    drift: dict[str, float] | None = None  # the read's last eviction, measured on its drafts (Engine.measure_drift)
 
     @property
     def next_position(self) -> int:
@@ -53,7 +55,7 @@ class Stream:
 
     def clone(self) -> Stream:
         return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state),
-                      self.reconstructed)
+                      self.reconstructed, None if self.drift is None else dict(self.drift))
 
 
 @dataclass
@@ -106,6 +108,9 @@ def plan_positions(
     return Plan(mode, budget, notes, head_cap)
 
 
+DRIFT_DRAFTS = 64  # drafted tokens that measure a last eviction no drafts judged (`Engine.drafts_for_drift`)
+
+
 class Engine:
     """Reads tokens into a `Stream` and evicts with `policy` so that it ends with `budget` entries per KV head,
     holding at most `working` entries per head (default: WORKING_FACTOR × budget, never less than budget + one
@@ -125,6 +130,7 @@ class Engine:
         head_cap: int | None = None,
         working: int | None = None,
         reconstruction: Reconstruction | None = None,
+        measure_drift: bool = False,
     ):
         self.model = model
         self.adapter = adapter
@@ -145,6 +151,8 @@ class Engine:
         if mode == "compact":
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
+        # the read's last eviction measured on drafts (`measure_drift`), sampled apart so that nothing else changes
+        self.drift_generator = torch.Generator().manual_seed(seed) if measure_drift else None
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
         self.shapes = adapter.layer_shapes()
@@ -216,7 +224,10 @@ class Engine:
                     requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
                     self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True)
                 else:
+                    drafted = self.drafts_for_drift(stream, logits) if final else []
                     self.evict(stream, ctx, logits, recent, final=final)
+                    if drafted:
+                        stream.drift = self.measure_drift(stream, drafted)
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -333,6 +344,7 @@ class Engine:
         held = LayerStack.of(scored)  # before any probe is appended: the entries judged
         kept_recent = 1  # of the last tokens read, the probes judge all but the last
         total = None
+        drafted: list[tuple[list[int], torch.Tensor]] = []
         targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
@@ -340,10 +352,36 @@ class Engine:
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
+            if final and self.drift_generator is not None:  # the drafts as the cache before the choice predicts them
+                drafted.append((stream.tokens[-probe_set.appended :], probe_set.logits[-probe_set.rows :]))
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
         self._keep_best(stream, held.split(total), kept_recent, budget, targets=_stack_rows(targets), stack=held)
+        if drafted:
+            stream.drift = self.measure_drift(stream, drafted)
+
+    def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+        """Where no drafts judged the read's last eviction, drafts sampled for measuring it (`measure_drift`), with
+        the cache before the choice's logits for them; none unless the engine measures drift."""
+        if self.drift_generator is None:
+            return []
+        source = Drafts(DRIFT_DRAFTS, rounds=1, recorded=False)
+        requests = source.requests(stream.tokens, read_logits, self.room(stream), self.drift_generator)
+        return [(stream.tokens[-s.appended :], s.logits) for s in self.probe_sets(stream, requests)]
+
+    def measure_drift(self, stream: Stream, drafted: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:
+        """How far the last eviction moved the model: the drafts, sampled from the model before the choice, read
+        again over the cache after it, and the mean KL of their next-token distributions against those before
+        (a Monte-Carlo estimate of the KL of the text that follows; with a 95 % interval over the drafts)."""
+        moved = []
+        for ids, before in drafted:
+            after, _ = self.forward(stream, ids, logits_rows=before.shape[0], probing=True)
+            self.forget_drafts(stream, len(ids))
+            moved.append(token_kl(before, after))
+        kl = torch.cat(moved)
+        spread = float(kl.std()) if kl.numel() > 1 else 0.0
+        return {"kl": float(kl.mean()), "ci95": 1.96 * spread / math.sqrt(max(1, kl.numel())), "drafts": kl.numel()}
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:

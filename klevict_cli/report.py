@@ -7,6 +7,7 @@ decode the stored token ids and highlight the kept spans: in colour on a termina
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,7 +67,18 @@ def describe(path: Path, kvc: KvcFile) -> dict:
         "tokens_kept_anywhere": int((share > 0).sum()),
         "spans": len(runs),
         "longest_spans": sorted(runs, key=lambda r: r[0] - r[1])[:5],
+        "estimated_kl": estimated_kl(meta),
     }
+
+
+def estimated_kl(meta: dict[str, str]) -> dict | None:
+    """The drift the read measured for its last eviction (`Engine.measure_drift`), where the file has a sound one."""
+    try:
+        drift = json.loads(meta["estimated_kl"])
+    except (KeyError, ValueError):
+        return None
+    numbers = isinstance(drift, dict) and all(isinstance(drift.get(k), (int, float)) for k in ("kl", "ci95", "drafts"))
+    return drift if numbers and all(math.isfinite(drift[k]) and drift[k] >= 0 for k in ("kl", "ci95")) else None
 
 
 def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None,
@@ -94,6 +106,10 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
             table.add_row(key, Text(visible(meta[key])))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
+    if info["estimated_kl"] is not None:
+        drift = info["estimated_kl"]
+        table.add_row("estimated drift", f"{drift['kl']:.4g} ± {drift['ci95']:.2g} nats per token (KL against the "
+                                         f"cache before the last eviction, on {drift['drafts']} drafted tokens)")
     prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
                                    f"of the chat frame, then the document's) kept by some head, in {info['spans']} "

@@ -50,6 +50,7 @@ class ReadSettings:
     max_memory: int | None = None  # bytes; refuse up front what would not fit
     working: float | Budget | None = None  # working limit: × the budget, or a count (None: engine.WORKING_FACTOR)
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
+    measure_drift: bool = True  # measure the last eviction on drafts (Engine.measure_drift): the cache's estimated KL
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Session:
             head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
+            measure_drift=settings.measure_drift,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -282,6 +284,7 @@ class Session:
             "probe_window": str(settings.probe_window),
             "working_limit": str(settings.working) if settings.working is not None else "default",
             "reconstruct": str(settings.reconstruct).lower(),
+            **({"estimated_kl": json.dumps(stream.drift, sort_keys=True)} if stream.drift is not None else {}),
             "prefix_tokens": str(result.prefix_tokens),
             "document_tokens": str(result.document_tokens),
             "source_name": result.document.name,

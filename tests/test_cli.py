@@ -253,6 +253,18 @@ def test_compress_json_reports_the_real_file_size(compressed):
     assert summary["kept_entries"] == 3 * 2 * 64
 
 
+def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
+    """The read's last eviction measured on its drafts: in --json, in the file, and in `inspect` (plain and JSON)."""
+    path, summary = compressed
+    drift = summary["estimated_kl"]
+    assert drift is not None and drift["kl"] > 0 and drift["ci95"] >= 0 and drift["drafts"] > 0
+    info = json_out(invoke("inspect", path, "--json"))
+    assert info["estimated_kl"] == drift
+    plain = invoke("inspect", path)
+    assert_ok(plain)
+    assert "estimated drift" in plain.stdout and f"{drift['kl']:.4g}" in plain.stdout
+
+
 def test_compress_cache_dtype_float16_about_halves_the_file(doc, model, compressed, tmp_path):
     f32_path, f32 = compressed
     f16_path = tmp_path / "half.kvc"

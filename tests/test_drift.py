@@ -1,0 +1,88 @@
+"""Every read with look-ahead drafts measures how far its last eviction moved the model (`Engine.measure_drift`):
+the drafts read again over the chosen cache, their next-token KL against the cache before the choice."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from klevict_cli.adapter_check import adapter_for
+from klevict_cli.engine import Engine
+from klevict_cli.policies.kl import KL
+from klevict_cli.report import estimated_kl
+from tests.conftest import tiny_llama
+
+
+def read(budget: int | None, seed: int = 3, lookahead: int = 16):
+    model = tiny_llama(seed=seed)
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 300, (120,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=lookahead), budget=budget, chunk_size=64, probe_window=8,
+                    measure_drift=True)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    return engine, stream, ids
+
+
+def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypatch):
+    """Recomputed by hand: the drafts' logits over everything read (the read's one eviction is its last) and over
+    the chosen cache; the estimate is their mean KL, the drafts are forgotten, and the same seed gives the same."""
+    seen = []
+    measure = Engine.measure_drift
+    monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
+        self, stream, drafted))
+    engine, stream, ids = read(40)
+    assert stream.tokens == ids and stream.drift["drafts"] == 16
+    (drafts, before), = seen[0]
+    full_engine, full, _ = read(None)  # nothing evicted
+    with torch.inference_mode():
+        expected_before, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
+        after, _ = engine.forward(stream, drafts, logits_rows=len(drafts))
+    torch.testing.assert_close(before, expected_before, rtol=1e-4, atol=1e-4)
+    p, q = before.double().log_softmax(-1), after.double().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert abs(stream.drift["kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
+    assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
+    assert read(40)[1].drift == stream.drift
+
+
+def test_a_tighter_budget_drifts_further_and_keeping_everything_does_not_drift():
+    drifts = [read(budget)[1].drift["kl"] for budget in (100, 60, 20)]
+    assert drifts[0] < drifts[1] < drifts[2]
+    engine, stream, _ = read(None)
+    assert stream.drift is None  # nothing evicted: nothing measured
+
+
+def test_inspect_reads_only_a_sound_estimate():
+    good = {"kl": 0.01, "ci95": 0.002, "drafts": 64}
+    assert estimated_kl({"estimated_kl": json.dumps(good)}) == good
+    for bad in ('{"kl": -1, "ci95": 0, "drafts": 3}', '{"kl": "x"}', "[1]", "not json", '{"kl": NaN, "ci95": 0, "drafts": 1}'):
+        assert estimated_kl({"estimated_kl": bad}) is None
+    assert estimated_kl({}) is None
+
+
+def test_a_last_eviction_no_drafts_judged_is_measured_on_drafts_of_its_own_and_chooses_the_same():
+    """Measuring samples its drafts apart (its own generator) and forgets them: with or without it, every method
+    keeps the same entries; without it nothing is claimed."""
+    from klevict_cli.policies import make_policy
+
+    model = tiny_llama(seed=4)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (120,)).tolist()
+    for method in ("snapkv", "kl"):
+        kept = {}
+        for measure in (True, False):
+            policy = make_policy(method)
+            if method == "kl":
+                policy.lookahead = 0  # the last eviction judged by the last tokens read
+            engine = Engine(model, adapter_for(model), policy, budget=30, chunk_size=64, probe_window=8,
+                            measure_drift=measure)
+            stream = engine.new_stream()
+            engine.feed(stream, ids)
+            kept[measure] = [layer.positions[layer.valid].tolist() for layer in stream.cache.layers]
+            if measure:
+                assert stream.drift["drafts"] == 64 and stream.drift["kl"] > 0 and stream.tokens == ids
+            else:
+                assert stream.drift is None
+        assert kept[True] == kept[False]
