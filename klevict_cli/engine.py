@@ -108,7 +108,8 @@ def plan_positions(
     return Plan(mode, budget, notes, head_cap)
 
 
-DRIFT_DRAFTS = 64  # drafted tokens that measure a last eviction no drafts judged (`Engine.drafts_for_drift`)
+DRIFT_DRAFTS = 64  # drafted tokens that measure the read's last eviction (`Engine.drafts_for_drift`)
+DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
 
 
 class Engine:
@@ -152,7 +153,7 @@ class Engine:
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
         # the read's last eviction measured on drafts (`measure_drift`), sampled apart so that nothing else changes
-        self.drift_generator = torch.Generator().manual_seed(seed) if measure_drift else None
+        self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
         self.shapes = adapter.layer_shapes()
@@ -220,14 +221,14 @@ class Engine:
             if must_evict:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
+                drafted = self.drafts_for_drift(stream, logits) if final else []
                 if drafts:
                     requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
                     self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True)
                 else:
-                    drafted = self.drafts_for_drift(stream, logits) if final else []
                     self.evict(stream, ctx, logits, recent, final=final)
-                    if drafted:
-                        stream.drift = self.measure_drift(stream, drafted)
+                if drafted:
+                    stream.drift = self.measure_drift(stream, drafted)
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -344,7 +345,6 @@ class Engine:
         held = LayerStack.of(scored)  # before any probe is appended: the entries judged
         kept_recent = 1  # of the last tokens read, the probes judge all but the last
         total = None
-        drafted: list[tuple[list[int], torch.Tensor]] = []
         targets: list[dict] = []
         for probe_set in probe_sets:
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
@@ -352,18 +352,15 @@ class Engine:
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
-            if final and self.drift_generator is not None:  # the drafts as the cache before the choice predicts them
-                drafted.append((stream.tokens[-probe_set.appended :], probe_set.logits[-probe_set.rows :]))
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
             return self.evict(stream, ctx, logits, recent, budget, final)
         self._keep_best(stream, held.split(total), kept_recent, budget, targets=_stack_rows(targets), stack=held)
-        if drafted:
-            stream.drift = self.measure_drift(stream, drafted)
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
-        """Where no drafts judged the read's last eviction, drafts sampled for measuring it (`measure_drift`), with
-        the cache before the choice's logits for them; none unless the engine measures drift."""
+        """Drafts sampled for measuring the read's last eviction (`measure_drift`), with the cache before the
+        choice's logits for them; none unless the engine measures drift. Never the drafts that judge the choice:
+        the choice (and the refit) is fitted to those, and measured on them it looks better than it is."""
         if self.drift_generator is None:
             return []
         source = Drafts(DRIFT_DRAFTS, rounds=1, recorded=False)

@@ -33,7 +33,7 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
         self, stream, drafted))
     engine, stream, ids = read(40)
-    assert stream.tokens == ids and stream.drift["drafts"] == 16
+    assert stream.tokens == ids and stream.drift["drafts"] == 64  # DRIFT_DRAFTS, whatever the lookahead
     (drafts, before), = seen[0]
     full_engine, full, _ = read(None)  # nothing evicted
     with torch.inference_mode():
@@ -62,20 +62,20 @@ def test_inspect_reads_only_a_sound_estimate():
     assert estimated_kl({}) is None
 
 
-def test_a_last_eviction_no_drafts_judged_is_measured_on_drafts_of_its_own_and_chooses_the_same():
-    """Measuring samples its drafts apart (its own generator) and forgets them: with or without it, every method
-    keeps the same entries; without it nothing is claimed."""
+def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
+    """Measuring samples its drafts apart (its own generator, never the drafts that judge the choice) and forgets
+    them: with or without it, every method keeps the same entries; without it nothing is claimed."""
     from klevict_cli.policies import make_policy
 
     model = tiny_llama(seed=4)
     torch.manual_seed(4)
     ids = torch.randint(0, 300, (120,)).tolist()
-    for method in ("snapkv", "kl"):
+    for method, lookahead in (("snapkv", 0), ("kl", 0), ("kl", 16)):
         kept = {}
         for measure in (True, False):
             policy = make_policy(method)
             if method == "kl":
-                policy.lookahead = 0  # the last eviction judged by the last tokens read
+                policy.lookahead = lookahead  # 0: the last eviction judged by the last tokens read
             engine = Engine(model, adapter_for(model), policy, budget=30, chunk_size=64, probe_window=8,
                             measure_drift=measure)
             stream = engine.new_stream()
