@@ -8,7 +8,7 @@ import json
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import Engine
+from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, Engine
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -26,14 +26,15 @@ def read(budget: int | None, seed: int = 3, lookahead: int = 16):
 
 
 def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypatch):
-    """Recomputed by hand: the drafts' logits over everything read (the read's one eviction is its last) and over
-    the chosen cache; the estimate is their mean KL, the drafts are forgotten, and the same seed gives the same."""
+    """Recomputed by hand: the sampled continuation's logits over everything read (the read's one eviction is its
+    last) and over the chosen cache; the estimate is their mean KL times the calibration, the sampled tokens are
+    forgotten, and the same seed gives the same."""
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
         self, stream, drafted))
     engine, stream, ids = read(40)
-    assert stream.tokens == ids and stream.drift["drafts"] == 64  # DRIFT_DRAFTS, whatever the lookahead
+    assert stream.tokens == ids and stream.drift["drafts"] == DRIFT_DRAFTS  # whatever the lookahead
     (drafts, before), = seen[0]
     full_engine, full, _ = read(None)  # nothing evicted
     with torch.inference_mode():
@@ -42,7 +43,8 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     torch.testing.assert_close(before, expected_before, rtol=1e-4, atol=1e-4)
     p, q = before.double().log_softmax(-1), after.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
-    assert abs(stream.drift["kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
+    assert abs(stream.drift["sampled_kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
+    assert stream.drift["kl"] == DRIFT_CALIBRATION * stream.drift["sampled_kl"]
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
     assert read(40)[1].drift == stream.drift
 
@@ -82,7 +84,7 @@ def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
             engine.feed(stream, ids)
             kept[measure] = [layer.positions[layer.valid].tolist() for layer in stream.cache.layers]
             if measure:
-                assert stream.drift["drafts"] == 64 and stream.drift["kl"] > 0 and stream.tokens == ids
+                assert stream.drift["drafts"] == DRIFT_DRAFTS and stream.drift["kl"] > 0 and stream.tokens == ids
             else:
                 assert stream.drift is None
         assert kept[True] == kept[False]
