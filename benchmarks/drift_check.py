@@ -42,7 +42,7 @@ def describe(label: str, found: list[tuple[float, float]]) -> str:
     if len(found) < 3:
         return f"| {label} | {len(found)} | | | | |"
     ratios = sorted(e / m for e, m in found)
-    q = statistics.quantiles(ratios, n=10)
+    q = statistics.quantiles(ratios, n=10, method="inclusive")
     within = sum(1 / 1.5 <= r <= 1.5 for r in ratios) / len(ratios)
     return (f"| {label} | {len(found)} | {spearman(*map(list, zip(*found))):.3f} | {statistics.median(ratios):.2f} | "
             f"{q[0]:.2f}–{q[-1]:.2f} | {100 * within:.0f} % |")

@@ -47,7 +47,8 @@ out = Console(highlight=False, soft_wrap=True)
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
-    "budget": "10%",
+    "budget": None,  # 10 %, unless --max-kl decides the size (then --budget is only a cap)
+    "max_kl": None,
     "method": "kl",
     "chunk_size": 512,
     "device": "cpu",
@@ -100,6 +101,9 @@ QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progres
 MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
                                                 "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
+MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
+                                               "(mean next-token KL, nats per token) is at most this; --budget is "
+                                               "then only a cap.")]
 WorkingOpt = Annotated[str | None, typer.Option("--working-limit", help="Entries per KV head held while reading "
                                                  "before evicting: a multiple of the budget (4x, the default) or a "
                                                  "count (8k).")]
@@ -205,6 +209,8 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
     check_choice("method", opts["method"], METHOD_NAMES)
+    if opts.get("max_kl") is not None:
+        check_real("max_kl", float(opts["max_kl"]), float(opts["max_kl"]) > 0, "a positive number of nats per token")
     top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
     check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
@@ -290,6 +296,7 @@ def read_summary(result) -> dict:
         "prefix_tokens": result.prefix_tokens,  # the chat frame's, before the document: the budget counts them too
         "method": result.settings.method,
         "budget": str(result.settings.budget),
+        "max_kl": result.settings.max_kl,
         "budget_tokens": result.plan.budget,
         "position_mode": result.plan.mode,
         "kept_entries": kept,
@@ -316,7 +323,7 @@ def summarize(
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
     position_mode: ModeOpt = None, probe_window: ProbeOpt = None, working_limit: WorkingOpt = None,
-    reconstruct: ReconstructOpt = None,
+    reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
@@ -326,7 +333,8 @@ def summarize(
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, repetition_penalty=repetition_penalty, position_mode=position_mode,
                            probe_window=probe_window, json=json_out, working_limit=working_limit,
-                           reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory)
+                           reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory,
+                           max_kl=max_kl)
     session, result = read_document(opts, file, reconstruct_default=False)
     answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
@@ -357,6 +365,7 @@ def compress(
     probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16 "
                                                     "or bfloat16 (default: the model's dtype).")] = None,
+    max_kl: MaxKlOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout. Many
@@ -366,7 +375,8 @@ def compress(
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
-                           max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct)
+                           max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct,
+                           max_kl=max_kl)
     check_choice("engine", engine, ("local", "ray"))
     if workers is not None:
         check_positive_int("workers", workers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,6 +136,7 @@ class Engine:
         working: int | None = None,
         reconstruction: Reconstruction | None = None,
         measure_drift: bool = False,
+        max_kl: float | None = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -157,6 +158,10 @@ class Engine:
             adapter.require_rerotation()  # absolute position embeddings cannot be moved
         self.generator = torch.Generator().manual_seed(seed)
         # the read's last eviction measured on drafts (`measure_drift`), sampled apart so that nothing else changes
+        # With `max_kl`, the last eviction keeps the smallest cache (within `budget`, if any) whose measured drift
+        # is at most that many nats per token (`_budget_within`); nothing is evicted before it unless `budget` says
+        self.max_kl = max_kl if policy.evicts else None
+        measure_drift = measure_drift or max_kl is not None
         self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
@@ -228,9 +233,9 @@ class Engine:
                 drafted = self.drafts_for_drift(stream, logits) if final else []
                 if drafts:
                     requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
-                    self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True)
+                    self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True, drafted=drafted)
                 else:
-                    self.evict(stream, ctx, logits, recent, final=final)
+                    self.evict(stream, ctx, logits, recent, final=final, drafted=drafted)
                 if drafted:
                     stream.drift = self.measure_drift(stream, drafted)
             elif evict:
@@ -245,9 +250,9 @@ class Engine:
     def draft_count(self, read: int) -> int:
         """How many look-ahead drafts probe the read's last eviction, once `read` tokens are read (the policy's
         choice, from whether the document is re-read and what part of it the budget keeps)."""
-        if not self.policy.needs_probes or self.budget is None:
+        if not self.policy.needs_probes or (self.budget is None and self.max_kl is None):
             return 0
-        return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read))
+        return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read) or 1.0)
 
     def recent_window(self, chunk_len: int, budget: int | None = None) -> int:
         """The last tokens read: they are the probes and are always kept (at most half of what the sinks leave of
@@ -272,6 +277,8 @@ class Engine:
         """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than the budget (the
         read's last chunk, `upcoming` == 0) or could not take the next chunk of `upcoming` tokens within the
         working limit. Sliding-window layers are trimmed after every chunk regardless, without scoring."""
+        if self.max_kl is not None and not upcoming:
+            return True  # the last eviction chooses by the tolerance, whatever is held
         if self.budget is None:
             return False
         held = self.held_per_head(stream) + incoming
@@ -320,16 +327,16 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False, keep: range = range(0),
+        final: bool = False, keep: range = range(0), drafted: list | None = None,
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
         by policy score, judged by the probes of the forward that produced `ctx` (its last tokens); the `recent`
         last tokens and the positions in `keep` are always kept."""
         w = min(recent, stream.next_position)
         scored = self._scored_layers(stream)
-        step = self.eviction_step(stream, ctx, logits, w, final, budget=budget, recent=w)
+        step = self.within_tolerance(self.eviction_step(stream, ctx, logits, w, final, budget=budget, recent=w))
         scores = self.policy.score_layers(step, list(scored))
-        self._keep_best(stream, scores, recent, budget, keep, self.refit_targets(stream, ctx, step))
+        self._choose(stream, step, scores, recent, budget, keep, self.refit_targets(stream, ctx, step), None, drafted)
 
     def kept_fraction(self, read: int, budget: int | None = None) -> float | None:
         """What part of `read` tokens (read, not probe tokens appended) an eviction to `budget` (default: the
@@ -339,7 +346,7 @@ class Engine:
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
-                   final: bool = False) -> None:
+                   final: bool = False, drafted: list | None = None) -> None:
         """`evict`, judged by probe sets appended to the stream (drafts, ...) instead of the last tokens read: each
         set is scored and forgotten in turn, and the entries' scores add up over the sets. The last tokens read are
         not the probes here, so the probes judge them too: of the `recent` window only the last token read stays
@@ -351,15 +358,66 @@ class Engine:
         total = None
         targets: list[dict] = []
         for probe_set in probe_sets:
-            step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows, final, budget=budget,
-                                      appended=probe_set.appended, recent=kept_recent)
+            step = self.within_tolerance(self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
+                                                            final, budget=budget, appended=probe_set.appended,
+                                                            recent=kept_recent))
             scores = held.stack(self.policy.score_layers(step, list(scored)))  # the probes' own columns cut off
             total = scores if total is None else total + scores
             targets.append(self.refit_targets(stream, probe_set.ctx, step, dict(zip(held.layer_ids, held.widths))))
         if total is None:  # no room for probes past the end: judge by the last tokens read instead
             logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)
-            return self.evict(stream, ctx, logits, recent, budget, final)
-        self._keep_best(stream, held.split(total), kept_recent, budget, targets=_stack_rows(targets), stack=held)
+            return self.evict(stream, ctx, logits, recent, budget, final, drafted=drafted)
+        self._choose(stream, step, held.split(total), kept_recent, budget, range(0), _stack_rows(targets), held,
+                     drafted)
+
+    def within_tolerance(self, step: EvictionStep) -> EvictionStep:
+        """The read's last eviction under `max_kl` is scored for no budget: the budget is what the tolerance then
+        allows (`_budget_within`), and what a policy keeps at a budget beyond its scores (`Policy.at_budget`) is
+        added for each one tried."""
+        return replace(step, budget=None, kept_fraction=None) if step.final and self.max_kl is not None else step
+
+    def _choose(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
+                budget: int | None, keep: range, targets: dict | None, stack: LayerStack | None,
+                drafted: list | None) -> None:
+        """`_keep_best`, at the budget the tolerance allows where the read's last eviction is under `max_kl`."""
+        if step.final and self.max_kl is not None and drafted:
+            budget = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
+            scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
+        self._keep_best(stream, scores, recent, budget, keep, targets, stack)
+
+    def _at_budget(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
+                   budget: int, targets: dict | None) -> tuple[Mapping[int, torch.Tensor], dict | None]:
+        """Budget-free scores and refit targets as an eviction to `budget` uses them."""
+        read = step.read_end or stream.next_position
+        at = replace(step, budget=budget, kept_fraction=self.kept_fraction(read, budget), sinks=sink_count(budget),
+                     recent=range(read - min(recent, read), read))
+        refit = targets and self.policy.refits(True, at.kept_fraction, reread=self.reconstruction is not None)
+        return self.policy.at_budget(at, dict(scores)), targets if refit else None
+
+    def _budget_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
+                       keep: range, targets: dict | None, drafted: list) -> int:
+        """The smallest budget (entries per head, within the engine's budget if it has one) whose cache drifts at
+        most `max_kl` on the sampled continuation, by bisection to 5 % of the largest: each budget tried is an
+        eviction of a copy of the stream and one forward of the continuation. The largest, where even it drifts
+        further."""
+        most = self.budget if self.budget is not None else stream.next_position
+        least = min(most, sink_count(most) + recent + 1)
+
+        def drifts(budget: int) -> float:
+            trial = stream.clone()
+            at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
+            self._keep_best(trial, at_budget, recent, budget, keep, fit)
+            return self.measure_drift(trial, drafted)["kl"]
+
+        if drifts(most) > self.max_kl:
+            return most
+        while most - least > max(1, most // 20):
+            middle = (least + most) // 2
+            if drifts(middle) <= self.max_kl:
+                most = middle
+            else:
+                least = middle
+        return most
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """A continuation sampled for measuring the read's last eviction (`measure_drift`), token by token from the

@@ -30,6 +30,7 @@ _BUDGET_RE = re.compile(rf"(?P<number>{_NUMBER})\s*(?P<unit>%|[km]?)", re.IGNORE
 OPTION_TYPES: dict[str, type] = {
     "model": str,
     "budget": str,
+    "max_kl": float,
     "method": str,
     "chunk_size": int,
     "device": str,

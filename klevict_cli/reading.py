@@ -10,6 +10,8 @@ from klevict_cli.display import err, shown
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import format_size, parse_budget, parse_size, parse_working_limit
 
+DEFAULT_BUDGET = "10%"
+
 
 @functools.lru_cache(maxsize=4)
 def _session(model: str | None, device: str, dtype: str, quiet: bool):
@@ -42,11 +44,18 @@ def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
     return dict(
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
-        budget=parse_budget(str(opts["budget"])), method=opts["method"], chunk_size=opts["chunk_size"],
+        budget=read_budget(opts), max_kl=opts.get("max_kl"), method=opts["method"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
         max_new_tokens=opts["max_new_tokens"],
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
+
+
+def read_budget(opts: dict):
+    """The budget asked for: `--budget`, else 10 % — or, with `--max-kl`, no cap unless `--budget` sets one."""
+    if opts.get("budget") is None:
+        return None if opts.get("max_kl") is not None else parse_budget(DEFAULT_BUDGET)
+    return parse_budget(str(opts["budget"]))
 
 
 def check_session(session, settings) -> None:

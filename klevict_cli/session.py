@@ -51,6 +51,7 @@ class ReadSettings:
     working: float | Budget | None = None  # working limit: × the budget, or a count (None: engine.WORKING_FACTOR)
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
     measure_drift: bool = True  # measure the last eviction on drafts (Engine.measure_drift): the cache's estimated KL
+    max_kl: float | None = None  # keep the smallest cache (within `budget`, if any) whose estimated KL is at most this
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Session:
             head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
-            measure_drift=settings.measure_drift,
+            measure_drift=settings.measure_drift, max_kl=settings.max_kl,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -284,6 +285,7 @@ class Session:
             "probe_window": str(settings.probe_window),
             "working_limit": str(settings.working) if settings.working is not None else "default",
             "reconstruct": str(settings.reconstruct).lower(),
+            **({"max_kl": repr(settings.max_kl)} if settings.max_kl is not None else {}),
             **({"estimated_kl": json.dumps(stream.drift, sort_keys=True)} if stream.drift is not None else {}),
             "prefix_tokens": str(result.prefix_tokens),
             "document_tokens": str(result.document_tokens),

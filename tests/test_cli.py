@@ -265,6 +265,26 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert "estimated drift" in plain.stdout and f"{drift['kl']:.4g}" in plain.stdout
 
 
+def test_compress_max_kl_sizes_the_cache_by_the_tolerance(doc, model, tmp_path):
+    """--max-kl: a tolerance no cache meets keeps all that was read; a loose one keeps little; --budget caps it; the
+    tolerance is reported and kept in the file; the same from a YAML config; nonsense is refused (exit 2)."""
+    def read(*extra: str) -> dict:
+        return json_out(invoke("compress", doc, "-o", tmp_path / "t.kvc", "--model", model, *FAST, "--json", *extra))
+
+    strict, loose, capped = read("--max-kl", "1e-12"), read("--max-kl", "100"), read("--max-kl", "1e-12", "-b", "64")
+    assert strict["budget_tokens"] is None and strict["max_kl"] == 1e-12
+    assert strict["kept_entries"] == 3 * 2 * (strict["document"]["tokens"] + strict["prefix_tokens"])
+    assert loose["kept_entries"] < capped["kept_entries"] == 3 * 2 * 64 < strict["kept_entries"]
+    assert loose["estimated_kl"]["kl"] <= 100
+    info = json_out(invoke("inspect", tmp_path / "t.kvc", "--json"))
+    assert info["metadata"]["max_kl"] == "1e-12" and info["metadata"]["budget"] == "64"
+    config = tmp_path / "k.yaml"
+    config.write_text("max_kl: 100\n")
+    assert read("--config", str(config))["kept_entries"] == loose["kept_entries"]
+    for bad in ("0", "-1", "nan", "inf"):
+        assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--max-kl", bad), 2, "max-kl")
+
+
 def test_compress_cache_dtype_float16_about_halves_the_file(doc, model, compressed, tmp_path):
     f32_path, f32 = compressed
     f16_path = tmp_path / "half.kvc"

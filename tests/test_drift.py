@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
@@ -88,3 +89,39 @@ def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
             else:
                 assert stream.drift is None
         assert kept[True] == kept[False]
+
+
+def read_within(max_kl: float, budget: int | None = None, reread: bool = False):
+    from klevict_cli.probes import Reconstruction
+
+    model = tiny_llama(seed=3)
+    torch.manual_seed(3)
+    ids = torch.randint(0, 300, (160,)).tolist()
+    source = Reconstruction([5, 6], [7], [8], span=32, sees="span") if reread else None
+    engine = Engine(model, adapter_for(model), KL(lookahead=16), budget=budget, chunk_size=64, probe_window=8,
+                    max_kl=max_kl, reconstruction=source)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert stream.tokens == ids
+    return engine.held_per_head(stream), stream.drift["kl"]
+
+
+@pytest.mark.parametrize("reread", [False, True])
+def test_max_kl_keeps_the_smallest_cache_the_tolerance_allows(reread):
+    """The tolerance decides the size: anything goes down to the floor (the sinks, the probe window and one entry),
+    nothing goes where even the whole read would drift further (then everything held stays); between, the drift
+    measured on the chosen cache is within the tolerance, and a tighter tolerance never keeps less."""
+    floor, loose = read_within(1e9, reread=reread)
+    assert floor < 20  # of 160 read
+    whole, _ = read_within(1e-12, reread=reread)
+    assert whole == 160  # nothing read was evicted: no budget, and no smaller cache meets the tolerance
+    tolerances = [loose / 2, loose / 8]
+    held = [read_within(t, reread=reread) for t in tolerances]
+    for (size, drift), tolerance in zip(held, tolerances):
+        assert drift <= tolerance and floor < size < whole
+    assert held[0][0] <= held[1][0]
+
+
+def test_max_kl_with_a_budget_never_keeps_more_than_it():
+    size, _ = read_within(1e-12, budget=40)
+    assert size == 40

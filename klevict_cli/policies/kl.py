@@ -195,9 +195,13 @@ class KL(Policy):
         """Estimated KL of removing each entry for these probes; with a budget, a share of it lifted above every
         score for the entries a re-reading needs most (`reserve_for_questions`): by the re-reading itself where
         there was one (`question_share`), by the read's own estimate of it where not (`copy_share`)."""
-        scores = self.probe_scores(step, layer_ids)
+        return self.at_budget(step, self.probe_scores(step, layer_ids))
+
+    def at_budget(self, step: EvictionStep, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The shares lifted above the scores (`reserve_for_questions`), where there is a budget."""
         if step.budget is None:
             return scores
+        layer_ids = list(scores)
         needed, share = self.stored(step, layer_ids, self.QUESTION_EXTRA), self.question_share
         if not needed:
             needed, share = self.stored(step, layer_ids, self.COPY_EXTRA), self.copy_share
