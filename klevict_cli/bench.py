@@ -29,6 +29,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -75,6 +76,7 @@ class BenchSettings:
     answer_tokens: int = 32  # room for the model to restate the question before the number
     working: float | None = None  # working limit, × the budget (None: the engine's default)
     reconstruct: bool = False  # kl: reconstruction probes too, as `compress` uses
+    max_kl: list[float] = field(default_factory=list)  # tolerances (`--max-kl`), each measured beside the budgets
 
 
 @dataclass
@@ -245,14 +247,21 @@ class _Counter:
             self.progress(self.done, self.total, label)
 
 
-def _reads(settings: BenchSettings, budgets: dict[str, int]):
-    """How the full-cache reference and each method × budget read: the settings `Session.read_tokens` takes."""
+def tolerance_label(max_kl: float) -> str:
+    return f"max-kl {max_kl:g}"
+
+
+def _reads(settings: BenchSettings, budgets: dict[str, int | None]):
+    """How the full-cache reference and each method × budget (or tolerance) read: the settings
+    `Session.read_tokens` takes."""
     from klevict_cli.session import ReadSettings
 
     full = ReadSettings(budget=None, method="none", chunk_size=settings.chunk_size,
                         probe_window=settings.probe_window, position_mode="original", seed=settings.seed,
                         working=settings.working, reconstruct=settings.reconstruct)
-    return full, {(m, label): replace(full, method=m, budget=Budget(tokens=tokens))
+    tolerances = {tolerance_label(t): t for t in settings.max_kl}
+    return full, {(m, label): replace(full, method=m, budget=Budget(tokens=tokens)) if label not in tolerances
+                  else replace(full, method=m, max_kl=tolerances[label])
                   for m in settings.methods for label, tokens in budgets.items()}
 
 
@@ -450,8 +459,9 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     measured again (its settings must be this run's, but for the number of windows)."""
     if settings.task not in TASKS:
         raise UsageError(f"invalid --task '{settings.task}'; choose from: {', '.join(TASKS)}")
-    budgets = {str(b): min(b.resolve(settings.context), settings.context) for b in map(parse_budget,
-                                                                                         settings.budgets)}
+    budgets: dict[str, int | None] = {str(b): min(b.resolve(settings.context), settings.context)
+                                      for b in map(parse_budget, settings.budgets)}
+    budgets.update({tolerance_label(t): None for t in settings.max_kl})  # the tolerance decides the size
     if settings.context + settings.continuation > session.adapter.max_positions:
         raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
                          f"{session.adapter.max_positions} positions")
@@ -559,15 +569,17 @@ def _cell(text: str, bold: bool) -> str:
 
 def _method_table(console: Console, block: dict, labels: list[str], cell, title: str, caption: str = "",
                   metric: str | None = None, lower: bool = False, headers: list[str] | None = None) -> None:
-    """One table: a row per method, a column per budget; `cell(row)` formats a budget's numbers and, given a
-    `metric`, the best mean per column is marked."""
+    """One table: a row per method, a column per budget; `cell(row)` (or `cell(row, label)` where it takes two)
+    formats a budget's numbers and, given a `metric`, the best mean per column is marked."""
     table = Table(title=title, caption=caption or None)
     table.add_column("method")
     for header in headers or labels:
         table.add_column(header, justify="right")
     best = _best(block, metric, lower) if metric else {}
+    two = cell.__code__.co_argcount == 2
     for method, per in block["results"].items():
-        table.add_row(method, *[_cell(cell(per[b]), metric is not None and _is(per[b][metric]["mean"], best.get(b)))
+        table.add_row(method, *[_cell(cell(per[b], b) if two else cell(per[b]),
+                                      metric is not None and _is(per[b][metric]["mean"], best.get(b)))
                                 for b in labels])
     console.print(table)
 
@@ -584,7 +596,8 @@ def render(result: dict, console: Console) -> None:
                       f"KL(full ‖ compressed), nats/token, mean ± 95% — {head}",
                       f"context {settings['context']} + continuation {fid['continuation_tokens']} tokens; full-cache "
                       f"perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold", metric="kl", lower=True,
-                      headers=[f"{label} ({settings['budget_tokens'][label]})" for label in labels])
+                      headers=[label if settings["budget_tokens"][label] is None
+                               else f"{label} ({settings['budget_tokens'][label]})" for label in labels])
         _method_table(console, fid, labels,
                       lambda row: f"{100 * row['top1']['mean']:.1f}% · {row['perplexity']['mean']:.2f}",
                       "top-1 agreement with the full cache · perplexity", metric="top1")
@@ -594,6 +607,11 @@ def render(result: dict, console: Console) -> None:
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
                       f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
+        tolerances = [label for label in labels if settings["budget_tokens"][label] is None]
+        if tolerances:
+            _method_table(console, fid, tolerances, _tolerance_cell,
+                          "--max-kl: cache kept · measured KL / tolerance, median over windows (range) · windows "
+                          "within 1.5× of it")
     for task, what in (("needle", "needle retrieval (planted facts)"), ("recall", "recall (details stated once)")):
         block = result.get(task)
         if block is None:
@@ -603,6 +621,14 @@ def render(result: dict, console: Console) -> None:
                       f"{what}: exact-match accuracy ({n} questions)",
                       f"full cache: {100 * block['full']['accuracy']['mean']:.1f}%; best per column in bold",
                       metric="accuracy")
+
+
+def _tolerance_cell(row: dict, label: str) -> str:
+    tolerance = float(label.removeprefix("max-kl "))
+    ratios = sorted(kl / tolerance for kl in row["per_window"]["kl"])
+    within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
+    return (f"{100 * row['cache_fraction']['mean']:.1f} % · {statistics.median(ratios):.2f}× "
+            f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within}/{len(ratios)}")
 
 
 def _is(value, best) -> bool:

@@ -639,6 +639,9 @@ def bench(
                                                   " the budget (default 4; 1 evicts after every chunk).")] = None,
     reconstruct: Annotated[bool, typer.Option("--reconstruct/--no-reconstruct", help="kl: judge entries by "
                                               "reconstruction probes too, as compress does.")] = False,
+    max_kl: Annotated[str | None, typer.Option("--max-kl", help="Comma-separated tolerances (nats per token), each "
+                                               "measured beside the budgets: the cache kept and the KL measured.")
+                      ] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
@@ -662,7 +665,7 @@ def bench(
         methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
-        reconstruct=reconstruct,
+        reconstruct=reconstruct, max_kl=parse_tolerances(max_kl),
     )
     if out_path is not None:
         check_destination(out_path, "--out")
@@ -691,6 +694,22 @@ def bench(
         from klevict_cli.plots import plot_bytes
 
         write_output(opts, "--plot", plot, plot_bytes(result, plot))
+
+
+def parse_tolerances(text: str | None) -> list[float]:
+    """`bench --max-kl 0.01,0.03`: positive finite numbers, none twice."""
+    if text is None:
+        return []
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(f"invalid --max-kl '{text}'; give tolerances in nats per token such as 0.01,0.03")
+        values.append(check_real("max_kl", value, value > 0, "a positive number of nats per token"))
+    if len(set(values)) != len(values):
+        raise UsageError(f"invalid --max-kl '{text}': a tolerance is listed twice")
+    return values
 
 
 def bench_json(result: dict) -> bytes:

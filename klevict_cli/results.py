@@ -58,7 +58,8 @@ def windows_text(result: dict) -> str:
 
 
 def budgets(result: dict) -> list[str]:
-    return list(result["settings"]["budget_tokens"])
+    """The budgets measured, in entries per head (not `--max-kl` tolerances, whose size each window decides)."""
+    return [label for label, tokens in result["settings"]["budget_tokens"].items() if tokens is not None]
 
 
 def peers(methods) -> list[str]:
@@ -139,6 +140,8 @@ def command(result: dict, path: Path) -> str:
         parts += ["--working", s["working"]]
     if s.get("reconstruct"):
         parts.append("--reconstruct")
+    if s.get("max_kl"):
+        parts += ["--max-kl", ",".join(f"{t:g}" for t in s["max_kl"])]
     parts += ["--device", s["device"], "--dtype", s["dtype"], "--out", path.as_posix()]
     return shlex.join(str(p) for p in parts)
 

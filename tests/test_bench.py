@@ -143,6 +143,27 @@ def test_bench_with_kl_reports_fidelity_and_needles_like_any_method(session, doc
     assert 1e-6 < half["kl"]["mean"] < fifth["kl"]["mean"]
 
 
+def test_bench_measures_tolerances_beside_budgets(session, document):
+    """--max-kl in the bench: each tolerance is a column whose size each window decides — a tolerance no cache
+    meets keeps everything read, a loose one little — with the estimated and the measured KL per window; the
+    tables show them, and the docs' tables and plots (sized budgets only) leave them out."""
+    from klevict_cli.results import budgets
+
+    settings = BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["20%"], "task": "fidelity",
+                                "max_kl": [1e-12, 10.0]})
+    result = run_bench(session, document, settings)
+    assert result["settings"]["budget_tokens"] == {"20%": 40, "max-kl 1e-12": None, "max-kl 10": None}
+    rows = result["fidelity"]["results"]["kl"]
+    strict, loose = rows["max-kl 1e-12"]["per_window"], rows["max-kl 10"]["per_window"]
+    assert strict["cache_fraction"] == [1.0, 1.0] and max(strict["kl"]) <= 1e-6
+    assert all(f < 0.2 for f in loose["cache_fraction"]) and all(e is not None for e in loose["estimated_kl"])
+    assert budgets(result) == ["20%"]
+    console = Console(record=True, width=200)
+    render(result, console)
+    text = console.export_text()
+    assert "--max-kl: cache kept" in text and "max-kl 10" in text
+
+
 def test_render_prints_every_method_and_budget(result):
     console = Console(record=True, width=200)
     render(result, console)
