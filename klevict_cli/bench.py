@@ -77,6 +77,7 @@ class BenchSettings:
     working: float | None = None  # working limit, × the budget (None: the engine's default)
     reconstruct: bool = False  # kl: reconstruction probes too, as `compress` uses
     max_kl: list[float] = field(default_factory=list)  # tolerances (`--max-kl`), each measured beside the budgets
+    estimate: bool = False  # every read measures its drift (`estimated_kl`; tolerances always do), at its cost
 
 
 @dataclass
@@ -258,7 +259,8 @@ def _reads(settings: BenchSettings, budgets: dict[str, int | None]):
 
     full = ReadSettings(budget=None, method="none", chunk_size=settings.chunk_size,
                         probe_window=settings.probe_window, position_mode="original", seed=settings.seed,
-                        working=settings.working, reconstruct=settings.reconstruct)
+                        working=settings.working, reconstruct=settings.reconstruct,
+                        measure_drift=settings.estimate)
     tolerances = {tolerance_label(t): t for t in settings.max_kl}
     return full, {(m, label): replace(full, method=m, budget=Budget(tokens=tokens)) if label not in tolerances
                   else replace(full, method=m, max_kl=tolerances[label])

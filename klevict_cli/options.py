@@ -31,6 +31,7 @@ OPTION_TYPES: dict[str, type] = {
     "model": str,
     "budget": str,
     "max_kl": float,
+    "estimate": bool,
     "method": str,
     "chunk_size": int,
     "device": str,

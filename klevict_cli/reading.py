@@ -40,8 +40,10 @@ def read_settings(opts: dict, reconstruct_default: bool = False):
 
 def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
     """`read_settings`'s fields, every option checked, without importing the engine (torch, transformers)."""
-    reconstruct = opts.get("reconstruct")
+    reconstruct, estimate = opts.get("reconstruct"), opts.get("estimate")
     return dict(
+        # a saved cache serves many questions: compress re-reads and measures its drift by default, summarize neither
+        measure_drift=reconstruct_default if estimate is None else bool(estimate),
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
         budget=read_budget(opts), max_kl=opts.get("max_kl"), method=opts["method"], chunk_size=opts["chunk_size"],

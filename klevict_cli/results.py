@@ -140,6 +140,8 @@ def command(result: dict, path: Path) -> str:
         parts += ["--working", s["working"]]
     if s.get("reconstruct"):
         parts.append("--reconstruct")
+    if s.get("estimate"):
+        parts.append("--estimate")
     if s.get("max_kl"):
         parts += ["--max-kl", ",".join(f"{t:g}" for t in s["max_kl"])]
     parts += ["--device", s["device"], "--dtype", s["dtype"], "--out", path.as_posix()]

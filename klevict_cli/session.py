@@ -50,7 +50,7 @@ class ReadSettings:
     max_memory: int | None = None  # bytes; refuse up front what would not fit
     working: float | Budget | None = None  # working limit: × the budget, or a count (None: engine.WORKING_FACTOR)
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
-    measure_drift: bool = True  # measure the last eviction on drafts (Engine.measure_drift): the cache's estimated KL
+    measure_drift: bool = False  # measure the last eviction (Engine.measure_drift): the cache's estimated KL
     max_kl: float | None = None  # keep the smallest cache (within `budget`, if any) whose estimated KL is at most this
 
 

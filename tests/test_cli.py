@@ -265,6 +265,19 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert "estimated drift" in plain.stdout and f"{drift['kl']:.4g}" in plain.stdout
 
 
+def test_summarize_estimates_its_drift_only_when_asked(doc, model, tmp_path):
+    """Measuring costs sampled tokens: on by default for compress (a saved cache), off for summarize, either way
+    with --estimate / --no-estimate."""
+    plain = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json"))
+    asked = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json", "--estimate"))
+    assert plain["estimated_kl"] is None and asked["estimated_kl"]["kl"] > 0
+    assert plain["kept_entries"] == asked["kept_entries"]
+    quiet = json_out(invoke("compress", doc, "-o", tmp_path / "q.kvc", "--model", model, "--budget", "64", *FAST,
+                            "--json", "--no-estimate"))
+    assert quiet["estimated_kl"] is None
+    assert "estimated_kl" not in json_out(invoke("inspect", tmp_path / "q.kvc", "--json"))["metadata"]
+
+
 def test_compress_max_kl_sizes_the_cache_by_the_tolerance(doc, model, tmp_path):
     """--max-kl: a tolerance no cache meets keeps all that was read; a loose one keeps little; --budget caps it; the
     tolerance is reported and kept in the file; the same from a YAML config; nonsense is refused (exit 2)."""
