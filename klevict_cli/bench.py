@@ -571,17 +571,15 @@ def _cell(text: str, bold: bool) -> str:
 
 def _method_table(console: Console, block: dict, labels: list[str], cell, title: str, caption: str = "",
                   metric: str | None = None, lower: bool = False, headers: list[str] | None = None) -> None:
-    """One table: a row per method, a column per budget; `cell(row)` (or `cell(row, label)` where it takes two)
-    formats a budget's numbers and, given a `metric`, the best mean per column is marked."""
+    """One table: a row per method, a column per budget; `cell(row, label)` formats a budget's numbers and, given a
+    `metric`, the best mean per column is marked."""
     table = Table(title=title, caption=caption or None)
     table.add_column("method")
     for header in headers or labels:
         table.add_column(header, justify="right")
     best = _best(block, metric, lower) if metric else {}
-    two = cell.__code__.co_argcount == 2
     for method, per in block["results"].items():
-        table.add_row(method, *[_cell(cell(per[b], b) if two else cell(per[b]),
-                                      metric is not None and _is(per[b][metric]["mean"], best.get(b)))
+        table.add_row(method, *[_cell(cell(per[b], b), metric is not None and _is(per[b][metric]["mean"], best.get(b)))
                                 for b in labels])
     console.print(table)
 
@@ -594,17 +592,17 @@ def render(result: dict, console: Console) -> None:
     fid = result.get("fidelity")
     if fid is not None:
         full = fid["full"]
-        _method_table(console, fid, labels, lambda row: _pm(row["kl"], ".4f"),
+        _method_table(console, fid, labels, lambda row, _: _pm(row["kl"], ".4f"),
                       f"KL(full ‖ compressed), nats/token, mean ± 95% — {head}",
                       f"context {settings['context']} + continuation {fid['continuation_tokens']} tokens; full-cache "
                       f"perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold", metric="kl", lower=True,
                       headers=[label if settings["budget_tokens"][label] is None
                                else f"{label} ({settings['budget_tokens'][label]})" for label in labels])
         _method_table(console, fid, labels,
-                      lambda row: f"{100 * row['top1']['mean']:.1f}% · {row['perplexity']['mean']:.2f}",
+                      lambda row, _: f"{100 * row['top1']['mean']:.1f}% · {row['perplexity']['mean']:.2f}",
                       "top-1 agreement with the full cache · perplexity", metric="top1")
         _method_table(console, fid, labels,
-                      lambda row: f"{row['time_ratio']['mean']:.2f}× · {row['cache_bytes']['mean'] / 1e6:.2f} MB"
+                      lambda row, _: f"{row['time_ratio']['mean']:.2f}× · {row['cache_bytes']['mean'] / 1e6:.2f} MB"
                                   f" (peak {row['peak_cache_bytes']['mean'] / 1e6:.2f})",
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
@@ -619,7 +617,7 @@ def render(result: dict, console: Console) -> None:
         if block is None:
             continue
         n = sum(len(h["facts"]) for h in block["haystacks"])
-        _method_table(console, block, labels, lambda row: f"{100 * row['accuracy']['mean']:.1f}%",
+        _method_table(console, block, labels, lambda row, _: f"{100 * row['accuracy']['mean']:.1f}%",
                       f"{what}: exact-match accuracy ({n} questions)",
                       f"full cache: {100 * block['full']['accuracy']['mean']:.1f}%; best per column in bold",
                       metric="accuracy")

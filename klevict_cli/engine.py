@@ -114,6 +114,7 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # (seed 0, both texts, kl and kl-reconstruct, 48 pairs) their KL was 2.01x (10-90 %: 1.33-3.74x) the KL the bench
 # measured on the real continuation. The estimate is theirs times this (docs/method.md, "Estimated drift").
 DRIFT_CALIBRATION = 0.5
+Continuation = tuple[list[int], torch.Tensor]  # sampled tokens, and the cache before the choice's logits after each
 
 
 class Engine:
@@ -230,13 +231,13 @@ class Engine:
             if must_evict:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
-                drafted = self.drafts_for_drift(stream, logits) if final else []
+                drafted = self.drafts_for_drift(stream, logits) if final else None
                 if drafts:
                     requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
                     self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True, drafted=drafted)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final, drafted=drafted)
-                if drafted:
+                if drafted is not None:
                     stream.drift = self.measure_drift(stream, drafted)
             elif evict:
                 self.trim_windows(stream)
@@ -327,7 +328,7 @@ class Engine:
     @torch.inference_mode()
     def evict(
         self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor, recent: int, budget: int | None = None,
-        final: bool = False, keep: range = range(0), drafted: list | None = None,
+        final: bool = False, keep: range = range(0), drafted: Continuation | None = None,
     ) -> None:
         """Bring the cache back within `budget` (default: the engine's): sliding layers to their window, the others
         by policy score, judged by the probes of the forward that produced `ctx` (its last tokens); the `recent`
@@ -346,7 +347,7 @@ class Engine:
 
     @torch.inference_mode()
     def evict_with(self, stream: Stream, probe_sets: Iterator[ProbeSet], recent: int, budget: int | None = None,
-                   final: bool = False, drafted: list | None = None) -> None:
+                   final: bool = False, drafted: Continuation | None = None) -> None:
         """`evict`, judged by probe sets appended to the stream (drafts, ...) instead of the last tokens read: each
         set is scored and forgotten in turn, and the entries' scores add up over the sets. The last tokens read are
         not the probes here, so the probes judge them too: of the `recent` window only the last token read stays
@@ -378,9 +379,9 @@ class Engine:
 
     def _choose(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                 budget: int | None, keep: range, targets: dict | None, stack: LayerStack | None,
-                drafted: list | None) -> None:
+                drafted: Continuation | None) -> None:
         """`_keep_best`, at the budget the tolerance allows where the read's last eviction is under `max_kl`."""
-        if step.final and self.max_kl is not None and drafted:
+        if step.final and self.max_kl is not None and drafted is not None:
             budget = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         self._keep_best(stream, scores, recent, budget, keep, targets, stack)
@@ -395,7 +396,7 @@ class Engine:
         return self.policy.at_budget(at, dict(scores)), targets if refit else None
 
     def _budget_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
-                       keep: range, targets: dict | None, drafted: list) -> int:
+                       keep: range, targets: dict | None, drafted: Continuation) -> int:
         """The smallest budget (entries per head, within the engine's budget if it has one) whose cache drifts at
         most `max_kl` on the sampled continuation, by bisection to 5 % of the largest: each budget tried is an
         eviction of a copy of the stream and one forward of the continuation. The largest, where even it drifts
@@ -419,13 +420,13 @@ class Engine:
                 least = middle
         return most
 
-    def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+    def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
         """A continuation sampled for measuring the read's last eviction (`measure_drift`), token by token from the
         cache before the choice, with that cache's logits for it; none unless the engine measures drift. Never the
         look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds start from a
         repeat of the last tokens read, so they copy more than the text that follows does."""
         if self.drift_generator is None:
-            return []
+            return None
         count = min(DRIFT_DRAFTS, self.room(stream))
         tokens, rows = [], []
         logits = read_logits.reshape(-1, read_logits.shape[-1])[-1]
@@ -435,19 +436,17 @@ class Engine:
             logits = out[-1]
             rows.append(logits)
         self.forget_drafts(stream, len(tokens))
-        return [(tokens, torch.stack(rows))] if tokens else []
+        return (tokens, torch.stack(rows)) if tokens else None
 
-    def measure_drift(self, stream: Stream, drafted: list[tuple[list[int], torch.Tensor]]) -> dict[str, float]:
+    def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
         """How far the last eviction moved the model: a continuation sampled from the cache before the choice, read
         again over the cache after it, and the mean KL of its next-token distributions against those before
         (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that follows (`kl`, with a 95 %
         interval over the sampled tokens)."""
-        moved = []
-        for ids, before in drafted:
-            after, _ = self.forward(stream, ids, logits_rows=before.shape[0], probing=True)
-            self.forget_drafts(stream, len(ids))
-            moved.append(token_kl(before, after))
-        kl = torch.cat(moved)
+        ids, before = drafted
+        after, _ = self.forward(stream, ids, logits_rows=before.shape[0], probing=True)
+        self.forget_drafts(stream, len(ids))
+        kl = token_kl(before, after)
         spread = float(kl.std()) if kl.numel() > 1 else 0.0
         sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(max(1, kl.numel()))
         return {"kl": DRIFT_CALIBRATION * sampled, "ci95": DRIFT_CALIBRATION * ci95, "drafts": kl.numel(),

@@ -69,9 +69,8 @@ class Drafts:
     rounds' caches were within 8 % of one-at-a-time sampling's in KL for a third of the cost; greedy drafts did worse
     than sampled ones; the read's first round kept the KL within noise, 0.96-1.06x, for one forward fewer)."""
 
-    def __init__(self, count: int = 64, rounds: int = 2, from_read: bool = True, recorded: bool = True):
+    def __init__(self, count: int = 64, rounds: int = 2, from_read: bool = True):
         self.count, self.rounds, self.from_read = count, rounds, from_read
-        self.recorded = recorded  # record the drafts' statistics for a policy (False: only their logits are read)
 
     def read_rows(self, read: int) -> int:
         """Rows of the read's last logits the drafts start from, when its last forward read `read` tokens: with
@@ -97,7 +96,7 @@ class Drafts:
         for _ in range(rounds):
             logits = yield ProbeRequest(draft, logits_rows=len(draft), scored=False)
             draft = [first] + sample_rows(logits[:-1], generator)
-        yield ProbeRequest(draft, rows=len(draft) if self.recorded else 0, logits_rows=len(draft))
+        yield ProbeRequest(draft, rows=len(draft), logits_rows=len(draft))
 
 
 class Reconstruction:

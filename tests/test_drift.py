@@ -36,7 +36,7 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
         self, stream, drafted))
     engine, stream, ids = read(40)
     assert stream.tokens == ids and stream.drift["drafts"] == DRIFT_DRAFTS  # whatever the lookahead
-    (drafts, before), = seen[0]
+    drafts, before = seen[0]
     full_engine, full, _ = read(None)  # nothing evicted
     with torch.inference_mode():
         expected_before, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
