@@ -27,6 +27,17 @@ def test_the_wheel_installs_no_top_level_kernels_package(tmp_path):
     assert "klevict_kernels/kl.py" in names and "klevict_cli/policies/kl.py" in names
 
 
+def test_a_checkout_never_shadows_hugging_faces_kernels():
+    """Run from the repository's root (`python -m pytest`, `python -m klevict_cli`), the current folder comes first
+    on the path: a kernels/__init__.py there would be found before Hugging Face's `kernels`, which transformers
+    (5.25 and later) imports, and break it. Without one, the folder is at most a namespace portion, which any
+    installed regular package outranks."""
+    code = ("import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+            "print('' if s is None or s.origin is None else s.origin)")
+    found = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert not found.stdout.strip().startswith(str(ROOT / "kernels"))
+
+
 def test_klevict_imports_its_kernels_under_their_own_name():
     import klevict_kernels.kl
     from klevict_cli.adapters import through_norm

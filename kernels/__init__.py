@@ -1,1 +1,0 @@
-"""Scoring math for eviction policies: vectorised torch, device-agnostic, with float64 references in tests."""
