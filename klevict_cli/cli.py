@@ -47,7 +47,7 @@ out = Console(highlight=False, soft_wrap=True)
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
-    "budget": None,  # 10 %, unless --max-kl decides the size (then --budget is only a cap)
+    "budget": None,  # reading.DEFAULT_BUDGET, unless --max-kl decides the size (then --budget is only a cap)
     "max_kl": None,
     "method": "kl",
     "chunk_size": 512,
@@ -77,7 +77,7 @@ ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged al
                                                "file or a hub id.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="Entries kept per KV head: a share of the "
                                                 "streamed tokens, with % or a decimal point (5%, 0.05), or a count "
-                                                "(2048, 2k = 2048). Default 10%.")]
+                                                "(2048, 2k = 2048). Default 10%, at least 96.")]
 # Kept in step with klevict_cli.policies.POLICIES by a test: importing it takes seconds (torch, transformers), and
 # an option must be checked, and a bad document refused, without that wait.
 METHOD_NAMES = ("kl", "kl-fisher", "kl-layer", "kl-reconstruct", "none", "streaming", "snapkv", "kvzip", "kvgrad",

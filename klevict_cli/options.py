@@ -60,10 +60,12 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "tru
 
 @dataclass(frozen=True)
 class Budget:
-    """How much of the KV cache to keep: a fraction of the document's tokens, or a fixed token count."""
+    """How much of the KV cache to keep: a fraction of the document's tokens, or a fixed token count. A fraction may
+    have a floor, `at_least` entries per head (the default budget has one: see reading.DEFAULT_BUDGET)."""
 
     fraction: float | None = None
     tokens: int | None = None
+    at_least: int = 0
 
     def __post_init__(self) -> None:
         if (self.fraction is None) == (self.tokens is None):
@@ -72,19 +74,22 @@ class Budget:
             raise ValueError(f"Budget fraction must be in (0, 1], got {self.fraction}")
         if self.tokens is not None and self.tokens < 1:
             raise ValueError(f"Budget tokens must be at least 1, got {self.tokens}")
+        if self.at_least and self.fraction is None:
+            raise ValueError("only a fraction budget has a floor (at_least)")
 
     def resolve(self, n_tokens: int) -> int:
         """The number of tokens to keep for a document of ``n_tokens`` tokens (never 0)."""
         if self.tokens is not None:
             return self.tokens
         # Round first so that 5% of 100 is 5, not ceil(5.000000000000001) = 6.
-        return max(1, math.ceil(round(self.fraction * n_tokens, 6)))
+        share = max(1, math.ceil(round(self.fraction * n_tokens, 6)))
+        return max(share, min(self.at_least, n_tokens))
 
     def __str__(self) -> str:
         if self.tokens is not None:
             return str(self.tokens)
         percent = f"{self.fraction * 100:.9f}".rstrip("0").rstrip(".")
-        return f"{percent}%"
+        return f"{percent}% (at least {self.at_least})" if self.at_least else f"{percent}%"
 
 
 def parse_budget(text: str) -> Budget:

@@ -77,6 +77,9 @@ def test_budget_rejected(text):
         (Budget(fraction=0.125), 1000, 125),
         (Budget(tokens=2048), 100, 2048),
         (Budget(tokens=2048), 10**6, 2048),
+        (Budget(fraction=0.1, at_least=96), 344, 96),  # a short note: the floor
+        (Budget(fraction=0.1, at_least=96), 50, 50),  # never more than the document
+        (Budget(fraction=0.1, at_least=96), 4096, 410),  # a long one: the share
     ],
 )
 def test_budget_resolve(budget, n_tokens, kept):
@@ -91,11 +94,20 @@ def test_percent_resolves_exactly_for_many_sizes():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"fraction": 0.5, "tokens": 3}, {"fraction": 0.0}, {"fraction": 1.5}, {"tokens": 0}]
+    "kwargs", [{}, {"fraction": 0.5, "tokens": 3}, {"fraction": 0.0}, {"fraction": 1.5}, {"tokens": 0},
+               {"tokens": 64, "at_least": 96}]
 )
 def test_budget_invariants(kwargs):
     with pytest.raises(ValueError):
         Budget(**kwargs)
+
+
+def test_the_default_budget_is_ten_percent_with_a_floor_and_a_given_budget_is_taken_as_given():
+    from klevict_cli.reading import DEFAULT_BUDGET, read_budget
+
+    assert read_budget({"budget": None}) == DEFAULT_BUDGET and str(DEFAULT_BUDGET) == "10% (at least 96)"
+    assert read_budget({"budget": "10%"}) == Budget(fraction=0.1)
+    assert read_budget({"budget": None, "max_kl": 0.02}) is None
 
 
 def test_one_budget_spelled_two_ways_is_one_budget():
