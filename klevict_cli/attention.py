@@ -82,9 +82,10 @@ class ForwardContext:
     # layer -> (H_kv, C) bool: the cached entries this forward's tokens may attend to, besides each other (the rest
     # of the cache is hidden from them); None: every valid entry
     attend_entries: Callable | None = None
-    # the forward's tokens are lanes of independent continuations (their true positions `query_lanes` gives)
+    # (T,) true positions of the tokens in this forward: the largest in the stream (None: by rotary position)
+    positions: torch.Tensor | None = None
+    # the forward's tokens are lanes of independent continuations, by their true positions
     lanes: Lanes | None = None
-    query_lanes: torch.Tensor | None = None  # (T,) each token's lane
 
     def allowed(self, layer, query_positions: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """`attention_mask` for the forward's last len(`query_positions`) tokens, as the forward attends: the
@@ -93,16 +94,18 @@ class ForwardContext:
         if self.lanes is not None:
             positions = layer.positions if columns is None else layer.positions.gather(1, columns)
             entry = self.lanes.lane(positions)[:, None, :]
-            own = self.query_lanes[-query_positions.shape[0]:][None, :, None]
+            own = self.lanes.lane(self.positions[-query_positions.shape[0]:])[None, :, None]
             allowed &= (entry < 0) | (entry == own)
         return allowed
 
     def visible(self, layer) -> torch.Tensor:
         """(H_kv, C) bool: the entries of `layer` this forward attends to (causality and windows apart): the
-        `attend_entries`, and this forward's own."""
+        `attend_entries`, and this forward's own (its tokens come last in the stream, wherever their rotary positions
+        are: Engine.place)."""
         if self.attend_entries is None:
             return layer.valid
-        own = layer.rope_positions >= self.query_positions[0]
+        own = (layer.rope_positions >= self.query_positions[0] if self.positions is None
+               else layer.positions >= self.positions[0])
         return layer.valid & (self.attend_entries(layer) | own)
 
 

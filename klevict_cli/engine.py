@@ -21,7 +21,7 @@ from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pa
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
-from klevict_cli.probes import SINKS, Drafts, ProbeSet, Reconstruction, Requests
+from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
 from klevict_cli.sampling import penalise_repeats, sample
 from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
@@ -198,22 +198,23 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        lanes: Lanes | None = None,
+        lanes: Lanes | None = None, rope_start: int | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
         see only the cached entries it marks (and each other). `probing`: the tokens are probes that will be
         forgotten (drafts, a re-reading), which policies that observe every forward do not see. `lanes`: the tokens
-        continue independent lanes (attention.Lanes) begun at or before this forward. Returns the logits of the last
-        `logits_rows` tokens (default: max(1, probe_rows))."""
+        continue independent lanes (attention.Lanes) begun at or before this forward; `rope_start`: the tokens' first
+        rotary position, if not the stream's next (`place`). Returns the logits of the last `logits_rows` tokens
+        (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
-        rope = (torch.arange(stream.next_rope, stream.next_rope + t, device=self.device) if lanes is None
-                else lanes.rope(positions))
+        start = stream.next_rope if rope_start is None else rope_start
+        rope = torch.arange(start, start + t, device=self.device) if lanes is None else lanes.rope(positions)
         stream.cache.begin(positions, rope)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
-                             probe_entries=probe_entries, attend_entries=attend_entries, lanes=lanes,
-                             query_lanes=None if lanes is None else lanes.lane(positions))
+                             probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
+                             lanes=lanes)
         with forward_context(ctx):
             out = run_with_cache(
                 self.model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
@@ -549,7 +550,7 @@ class Engine:
         """Judge the entries read since the last time by reconstruction probes (probes.Reconstruction): the policy
         keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`)."""
         scored = list(self._scored_layers(stream))
-        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.room(stream))
+        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed)
         for probe_set in self.probe_sets(stream, requests):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
                                       judged=probe_set.judged, appended=probe_set.appended)
@@ -560,19 +561,37 @@ class Engine:
         """Tokens that can still be appended to the stream within the model's positions."""
         return self.adapter.max_positions - stream.next_rope
 
+    def place(self, stream: Stream, request: ProbeRequest) -> int | None:
+        """The first rotary position of a probe request's tokens: the stream's next, where they fit within the model's
+        positions; else, for a request that sees only some entries (a re-reading of one span), as late as the
+        positions allow, provided that is after every entry it sees (so a document read close to the model's last
+        position is still re-read). None: it fits nowhere."""
+        latest = self.adapter.max_positions - len(request.ids)
+        if stream.next_rope <= latest:
+            return stream.next_rope
+        if not request.sees_only or latest < 0:
+            return None
+        seen = max(int(layer.rope_positions.masked_fill(~(request.entries(layer) & layer.valid), -1).max())
+                   for layer in stream.cache.layers if layer.capacity)
+        return latest if seen < latest else None
+
     def probe_sets(self, stream: Stream, requests: Requests) -> Iterator[ProbeSet]:
-        """Run a probe source's requests at the stream's end (probes.py), yielding each scored one's statistics
-        while its tokens are in the stream, and forgetting every request's tokens once it has been used (the
-        cache, tokens and positions are then what they were)."""
+        """Run a probe source's requests at the stream's end (probes.py; where they fit: `place`), yielding each
+        scored one's statistics while its tokens are in the stream, and forgetting every request's tokens once it
+        has been used (the cache, tokens and positions are then what they were)."""
         logits = None
         while True:
             try:
                 request = requests.send(logits)
             except StopIteration:
                 return
+            start = self.place(stream, request)
+            if start is None:
+                return
             logits, ctx = self.forward(stream, request.ids, probe_rows=request.rows, logits_rows=request.logits_rows,
                                        probe_entries=request.entries,
-                                       attend_entries=request.entries if request.sees_only else None, probing=True)
+                                       attend_entries=request.entries if request.sees_only else None, probing=True,
+                                       rope_start=start)
             try:
                 if request.scored:  # the rows' logits, where the source asked for them all
                     yield ProbeSet(ctx, logits if request.logits_rows >= request.rows else None, len(request.ids),

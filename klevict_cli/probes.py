@@ -135,15 +135,13 @@ class Reconstruction:
         bounds = [lo + (hi - lo) * k // count for k in range(count + 1)]
         return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    def requests(self, tokens: list[int], start: int, room: int) -> Requests:
-        """Re-read `tokens` (the document read so far) from position `start` to its end, one span per request,
-        while a span fits in the `room` left in the model's positions."""
+    def requests(self, tokens: list[int], start: int) -> Requests:
+        """Re-read `tokens` (the document read so far) from position `start` to its end, one span per request (the
+        engine stops at the first that fits nowhere in the model's positions: Engine.place)."""
         end = len(tokens)
         for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
             prompt = self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]
             ids = prompt + self.suffix + tokens[lo:hi]
-            if len(ids) > room:
-                return
             yield ProbeRequest(ids, rows=hi - lo, entries=functools.partial(_span_entries, lo, hi, end),
                                sees_only=self.sees == "span", judged=(lo, hi))
 

@@ -77,7 +77,7 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
     before = [[getattr(layer, f).clone() for f in FIELDS] for layer in stream.cache.layers]
     source = reconstruction(span=16)
     seen = []
-    for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0, engine.room(stream))):
+    for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0)):
         lo, hi = probe_set.judged
         prompt = [7, 8, 9] if lo == 1 else [10, 11] + ids[lo - 3 : lo]
         assert stream.tokens == ids + prompt + [12] + ids[lo:hi]  # the instruction, then the span re-read
@@ -87,6 +87,48 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
     assert stream.tokens == ids and stream.next_rope == 70
     for layer, saved in zip(stream.cache.layers, before):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
+
+
+def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_it_would_at_the_end():
+    """A document read close to the model's last position leaves no room for a re-reading after it; a span's
+    re-reading sees only the sinks, the span and itself, so it sits as late as the positions allow (Engine.place):
+    its logits there are the model's own over exactly those cached entries (a plain transformers cache holding
+    them) at those positions; a span it would precede is not re-read, nor is a re-reading of the whole cache; the
+    stream is as it was afterwards."""
+    from transformers import DynamicCache
+
+    from klevict_cli.probes import SINKS, ProbeRequest
+
+    model, reference = (tiny_llama(seed=5, max_position_embeddings=96) for _ in range(2))
+    reference.set_attn_implementation("eager")
+    ids = torch.randint(0, 300, (80,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    source = Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=16, overlap=3, sees="span")
+    request = next(source.requests(stream.tokens, 20))  # the span [20, 35), behind its 6-token prompt and suffix
+    (lo, hi), n = request.judged, len(request.ids)
+    start = engine.place(stream, request)
+    assert start == 96 - n < stream.next_rope and start > hi
+    seen = torch.tensor(list(range(SINKS)) + list(range(lo, hi)))
+    with torch.inference_mode():
+        logits, _ = engine.forward(stream, request.ids, logits_rows=n, attend_entries=request.entries, probing=True,
+                                   rope_start=start)
+        engine.forget_drafts(stream, n)
+        cache = DynamicCache()
+        for i, layer in enumerate(reference(input_ids=torch.tensor([ids]), use_cache=True).past_key_values.layers):
+            cache.update(layer.keys[:, :, seen], layer.values[:, :, seen], i)
+        expected = reference(input_ids=torch.tensor([request.ids]), past_key_values=cache,
+                             position_ids=torch.arange(start, start + n)[None],
+                             cache_position=torch.arange(len(seen), len(seen) + n)).logits[0]
+    assert (logits - expected).abs().max().item() <= 1e-4
+    assert stream.tokens == ids and stream.next_rope == 80
+    late = ProbeRequest(request.ids, entries=lambda layer: layer.valid, sees_only=True)  # sees up to position 79
+    assert engine.place(stream, late) is None
+    assert engine.place(stream, ProbeRequest(request.ids)) is None  # the whole cache, from after it: no room
+    judged = [probe_set.judged for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0))]
+    assert judged == [(1, 16), (16, 32), (32, 48), (48, 64)]  # (64, 80) would sit before its own span
+    assert [s.judged for s in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0))] == []
 
 
 @pytest.mark.parametrize("lo, hi", [(1, 2), (1, 9), (1, 24), (1, 25), (5, 70), (1, 4097), (300, 812)])
@@ -108,7 +150,7 @@ def test_a_re_reading_reads_no_next_token_distributions(model):
     stream = engine.new_stream()
     engine.feed(stream, ids)
     spans = []
-    for probe_set in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0, engine.room(stream))):
+    for probe_set in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0)):
         assert probe_set.logits is None and probe_set.ctx.probes[1].weights.shape[1] == probe_set.rows
         spans.append(probe_set.judged)
     assert spans == [(1, 17), (17, 33), (33, 50)] and stream.tokens == ids
@@ -426,7 +468,7 @@ def test_a_re_reading_sees_the_whole_cache_or_only_its_span(model):
     engine.feed(stream, ids)
     for sees in ("all", "span"):
         source = Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=16, overlap=3, sees=sees)
-        sets = engine.probe_sets(stream, source.requests(stream.tokens, 20, engine.room(stream)))
+        sets = engine.probe_sets(stream, source.requests(stream.tokens, 20))
         probe_set = next(sets)
         layer = stream.cache.layers[0]
         visible = probe_set.ctx.visible(layer)
