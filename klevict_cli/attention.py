@@ -46,25 +46,6 @@ class LayerProbe:
         return torch.arange(c, device=layer.valid.device).expand(h, c), layer.valid
 
 
-@dataclass(frozen=True)
-class Lanes:
-    """Independent continuations side by side at a stream's end (Engine.drafts_for_drift): the entries from true
-    position `start` on, and the tokens of the forward, belong to lane (position - start) % `count`, and see only
-    their own lane's entries besides everything before `start`. Their rotary positions advance by one per step of
-    `count` tokens (Engine.forward), so each lane sits where a single continuation would."""
-
-    start: int
-    start_rope: int
-    count: int
-
-    def rope(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.start_rope + (positions - self.start) // self.count
-
-    def lane(self, positions: torch.Tensor) -> torch.Tensor:
-        """Each position's lane; -1 before `start`."""
-        return torch.where(positions >= self.start, (positions - self.start) % self.count, -1)
-
-
 @dataclass
 class ForwardContext:
     cache: KVCache
@@ -84,19 +65,11 @@ class ForwardContext:
     attend_entries: Callable | None = None
     # (T,) true positions of the tokens in this forward: the largest in the stream (None: by rotary position)
     positions: torch.Tensor | None = None
-    # the forward's tokens are lanes of independent continuations, by their true positions
-    lanes: Lanes | None = None
 
     def allowed(self, layer, query_positions: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """`attention_mask` for the forward's last len(`query_positions`) tokens, as the forward attends: the
-        visible entries, causal by rotary position (and window), and within the tokens' lanes if any."""
-        allowed = attention_mask(layer, query_positions, self.visible(layer), columns)
-        if self.lanes is not None:
-            positions = layer.positions if columns is None else layer.positions.gather(1, columns)
-            entry = self.lanes.lane(positions)[:, None, :]
-            own = self.lanes.lane(self.positions[-query_positions.shape[0]:])[None, :, None]
-            allowed &= (entry < 0) | (entry == own)
-        return allowed
+        visible entries, causal by rotary position (and window)."""
+        return attention_mask(layer, query_positions, self.visible(layer), columns)
 
     def visible(self, layer) -> torch.Tensor:
         """(H_kv, C) bool: the entries of `layer` this forward attends to (causality and windows apart): the
@@ -230,7 +203,7 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
     lse = None
     visible = ctx.visible(layer)
-    if _can_split(layer, query, value) and ctx.lanes is None:
+    if _can_split(layer, query, value):
         k, v, past_visible = key, value, visible[:, : key.shape[2] - query.shape[2]]
         if ctx.attend_entries is not None:  # attend to the few visible past entries only: gather them
             k, v, past_visible = _gather_past(k, v, past_visible, query.shape[2])

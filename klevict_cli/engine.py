@@ -16,7 +16,7 @@ import torch
 
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
-from klevict_cli.attention import ForwardContext, Lanes, forward_context
+from klevict_cli.attention import ForwardContext, forward_context
 from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
@@ -109,27 +109,20 @@ def plan_positions(
 
 
 DRIFT_DRAFTS = 32  # sampled tokens that measure the read's last eviction (`Engine.drafts_for_drift`)
-# ... in this many independent continuations side by side (attention.Lanes): a one-token forward costs nearly what a
-# forward of a few tokens does (the weights are read once either way: 50 ms for the default model on a CPU thread),
-# so 4 lanes of 8 tokens cost 8 forwards where one continuation of 32 cost 32
-DRIFT_LANES = 4
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
 # The model's own samples (temperature 1) move further than the text that follows: on the 512-token tuning windows
-# (seed 0, both texts, kl and kl-reconstruct, 96 window x budget pairs) the 4 lanes' KL was 1.57x (median; 10-90 %:
-# 0.88-4.26x) the KL the bench measured on the real continuation. The estimate is theirs over that
-# (docs/method.md, "Estimated drift").
-DRIFT_CALIBRATION = 0.64
+# (seed 0, both texts, kl and kl-reconstruct, 48 pairs) their KL was 2.01x (10-90 %: 1.33-3.74x) the KL the bench
+# measured on the real continuation. The estimate is theirs times this (docs/method.md, "Estimated drift").
+DRIFT_CALIBRATION = 0.5
 
 
 @dataclass
 class Continuation:
-    """Tokens sampled past the end of a read to measure an eviction (`Engine.drafts_for_drift`): `lanes`
-    continuations side by side, step-major (attention.Lanes), and the logits that followed each token over the
-    cache before the choice."""
+    """Tokens sampled past the end of a read to measure an eviction (`Engine.drafts_for_drift`), and the logits that
+    followed each over the cache before the choice."""
 
     tokens: list[int]
     logits: torch.Tensor  # (len(tokens), vocab)
-    lanes: int = 1
 
 
 class Engine:
@@ -198,23 +191,21 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        lanes: Lanes | None = None, rope_start: int | None = None,
+        rope_start: int | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
         see only the cached entries it marks (and each other). `probing`: the tokens are probes that will be
-        forgotten (drafts, a re-reading), which policies that observe every forward do not see. `lanes`: the tokens
-        continue independent lanes (attention.Lanes) begun at or before this forward; `rope_start`: the tokens' first
-        rotary position, if not the stream's next (`place`). Returns the logits of the last `logits_rows` tokens
-        (default: max(1, probe_rows))."""
+        forgotten (drafts, a re-reading), which policies that observe every forward do not see. `rope_start`: the
+        tokens' first rotary position, if not the stream's next (`place`). Returns the logits of the last
+        `logits_rows` tokens (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         start = stream.next_rope if rope_start is None else rope_start
-        rope = torch.arange(start, start + t, device=self.device) if lanes is None else lanes.rope(positions)
+        rope = torch.arange(start, start + t, device=self.device)
         stream.cache.begin(positions, rope)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
-                             probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
-                             lanes=lanes)
+                             probe_entries=probe_entries, attend_entries=attend_entries, positions=positions)
         with forward_context(ctx):
             out = run_with_cache(
                 self.model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
@@ -441,32 +432,29 @@ class Engine:
         return most
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
-        """A continuation sampled for measuring the read's last eviction (`measure_drift`): DRIFT_LANES independent
-        ones side by side, token by token from the cache before the choice, with that cache's logits for them; none
-        unless the engine measures drift. Never the look-ahead drafts: the choice (and the refit) is fitted to those,
-        and their Jacobi rounds start from a repeat of the last tokens read, so they copy more than the text that
-        follows does."""
+        """A continuation sampled for measuring the read's last eviction (`measure_drift`), token by token from the
+        cache before the choice, with that cache's logits for it; none unless the engine measures drift. Never the
+        look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds start from a
+        repeat of the last tokens read, so they copy more than the text that follows does."""
         if self.drift_generator is None:
             return None
-        steps = min(DRIFT_DRAFTS // DRIFT_LANES, self.room(stream))
-        lanes = Lanes(stream.next_position, stream.next_rope, DRIFT_LANES)
+        count = min(DRIFT_DRAFTS, self.room(stream))
         tokens, rows = [], []
-        logits = read_logits.reshape(-1, read_logits.shape[-1])[-1:].expand(DRIFT_LANES, -1)
-        for _ in range(steps):
-            step = [sample(row, 1.0, 1.0, self.drift_generator) for row in logits]
-            logits, _ = self.forward(stream, step, logits_rows=DRIFT_LANES, probing=True, lanes=lanes)
-            tokens += step
+        logits = read_logits.reshape(-1, read_logits.shape[-1])[-1]
+        for _ in range(count):
+            tokens.append(sample(logits, 1.0, 1.0, self.drift_generator))
+            out, _ = self.forward(stream, tokens[-1:], logits_rows=1, probing=True)
+            logits = out[-1]
             rows.append(logits)
         self.forget_drafts(stream, len(tokens))
-        return Continuation(tokens, torch.cat(rows), DRIFT_LANES) if tokens else None
+        return Continuation(tokens, torch.stack(rows)) if tokens else None
 
     def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
         """How far the last eviction moved the model: a continuation sampled from the cache before the choice, read
-        again over the cache after it (its lanes in one forward), and the mean KL of its next-token distributions
-        against those before (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that
-        follows (`kl`, with a 95 % interval over the sampled tokens)."""
-        lanes = Lanes(stream.next_position, stream.next_rope, drafted.lanes)
-        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True, lanes=lanes)
+        again over the cache after it, and the mean KL of its next-token distributions against those before
+        (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that follows (`kl`, with a 95 %
+        interval over the sampled tokens)."""
+        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True)
         self.forget_drafts(stream, len(drafted.tokens))
         kl = token_kl(drafted.logits, after)
         spread = float(kl.std()) if kl.numel() > 1 else 0.0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, Engine
+from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, Engine
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -26,40 +26,27 @@ def read(budget: int | None, seed: int = 3, lookahead: int = 16):
     return engine, stream, ids
 
 
-def lane_by_lane(engine, stream, drafted):
-    """Each lane's tokens read alone, teacher-forced, over the stream's cache (then forgotten): the logits after
-    each, in the continuation's step-major order."""
-    rows = torch.empty_like(drafted.logits)
-    with torch.inference_mode():
-        for lane in range(drafted.lanes):
-            ids = drafted.tokens[lane :: drafted.lanes]
-            rows[lane :: drafted.lanes], _ = engine.forward(stream, ids, logits_rows=len(ids))
-            engine.forget_drafts(stream, len(ids))
-    return rows
-
-
 def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypatch):
-    """Recomputed by hand: every lane of the sampled continuation read on its own, over everything read (the read's
-    one eviction is its last) and over the chosen cache, gives the logits the lanes side by side gave; the estimate
-    is their mean KL times the calibration, the sampled tokens are forgotten, and the same seed gives the same."""
+    """Recomputed by hand: the sampled continuation's logits over everything read (the read's one eviction is its
+    last) and over the chosen cache; the estimate is their mean KL times the calibration, the sampled tokens are
+    forgotten, and the same seed gives the same."""
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
         self, stream, drafted))
     engine, stream, ids = read(40)
     assert stream.tokens == ids and stream.drift["drafts"] == DRIFT_DRAFTS  # whatever the lookahead
-    drafted = seen[0]
-    assert drafted.lanes == DRIFT_LANES > 1 and len(drafted.tokens) == DRIFT_DRAFTS
-    assert len({tuple(drafted.tokens[lane :: drafted.lanes]) for lane in range(drafted.lanes)}) == drafted.lanes
+    drafts, before = seen[0].tokens, seen[0].logits
     full_engine, full, _ = read(None)  # nothing evicted
-    torch.testing.assert_close(drafted.logits, lane_by_lane(full_engine, full, drafted), rtol=1e-4, atol=1e-4)
-    after = lane_by_lane(engine, stream, drafted)
-    p, q = drafted.logits.double().log_softmax(-1), after.double().log_softmax(-1)
+    with torch.inference_mode():
+        expected_before, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
+        after, _ = engine.forward(stream, drafts, logits_rows=len(drafts))
+    torch.testing.assert_close(before, expected_before, rtol=1e-4, atol=1e-4)
+    p, q = before.double().log_softmax(-1), after.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert abs(stream.drift["sampled_kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
     assert stream.drift["kl"] == DRIFT_CALIBRATION * stream.drift["sampled_kl"]
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
-    assert stream.tokens == ids and stream.next_rope == len(ids)  # every sampled token forgotten
     assert read(40)[1].drift == stream.drift
 
 
