@@ -66,11 +66,6 @@ class ForwardContext:
     # (T,) true positions of the tokens in this forward: the largest in the stream (None: by rotary position)
     positions: torch.Tensor | None = None
 
-    def allowed(self, layer, query_positions: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-        """`attention_mask` for the forward's last len(`query_positions`) tokens, as the forward attends: the
-        visible entries, causal by rotary position (and window)."""
-        return attention_mask(layer, query_positions, self.visible(layer), columns)
-
     def visible(self, layer) -> torch.Tensor:
         """(H_kv, C) bool: the entries of `layer` this forward attends to (causality and windows apart): the
         `attend_entries`, and this forward's own (its tokens come last in the stream, wherever their rotary positions
@@ -211,20 +206,20 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out, lse = _attend_past_then_chunk(query, k, v, past_visible, groups, scaling)
     else:
-        out = _attend_grouped(query, key, value, ctx.allowed(layer, ctx.query_positions), scaling)
+        out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions, visible), scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.observer is not None:
         if lse is None:
-            lse = _log_sum_exp(query, key, ctx.allowed(layer, ctx.query_positions), scaling)
+            lse = _log_sum_exp(query, key, attention_mask(layer, ctx.query_positions, visible), scaling)
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling, lse[0])
     if ctx.probe_rows:
-        ctx.probes[layer_idx] = _probe(ctx, layer, query, key, out, lse, scaling)
+        ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerProbe:
-    """The probe rows' statistics: their attention over the cache entries they see (ForwardContext.allowed, as the
+def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:
+    """The probe rows' statistics: their attention over the `visible` cache entries (ForwardContext.visible, as the
     forward attended; or over `ctx.probe_entries` only), queries and head outputs. Where the attention kernel gave
     each row's log-sum-exp, the weights are exp(logit - lse), normalised as the forward normalised them.
 
@@ -241,7 +236,7 @@ def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerPr
         keys = keys.gather(1, columns[..., None].expand(-1, -1, keys.shape[-1]))
     rows_of_group = (q.float() * scaling).reshape(h_kv, groups * w, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(h_kv, groups, w, -1)
-    allowed = ctx.allowed(layer, ctx.query_positions[-w:], columns)  # (H_kv, W, n)
+    allowed = attention_mask(layer, ctx.query_positions[-w:], visible, columns)  # (H_kv, W, n)
     if columns is not None:
         allowed &= present[:, None, :]
     logits.masked_fill_(~allowed[:, None], float("-inf"))

@@ -116,7 +116,7 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 DRIFT_CALIBRATION = 0.5
 
 
-@dataclass
+@dataclass(eq=False)
 class Continuation:
     """Tokens sampled past the end of a read to measure an eviction (`Engine.drafts_for_drift`), and the logits that
     followed each over the cache before the choice."""
@@ -557,11 +557,11 @@ class Engine:
         latest = self.adapter.max_positions - len(request.ids)
         if stream.next_rope <= latest:
             return stream.next_rope
-        if not request.sees_only or latest < 0:
+        if not request.sees_only or request.entries is None or latest < 0:
             return None
-        seen = max(int(layer.rope_positions.masked_fill(~(request.entries(layer) & layer.valid), -1).max())
-                   for layer in stream.cache.layers if layer.capacity)
-        return latest if seen < latest else None
+        seen = [layer.rope_positions.masked_fill(~(request.entries(layer) & layer.valid), -1).max()
+                for layer in stream.cache.layers if layer.capacity]
+        return latest if not seen or int(torch.stack(seen).max()) < latest else None  # one host sync
 
     def probe_sets(self, stream: Stream, requests: Requests) -> Iterator[ProbeSet]:
         """Run a probe source's requests at the stream's end (probes.py; where they fit: `place`), yielding each

@@ -74,6 +74,8 @@ class Budget:
             raise ValueError(f"Budget fraction must be in (0, 1], got {self.fraction}")
         if self.tokens is not None and self.tokens < 1:
             raise ValueError(f"Budget tokens must be at least 1, got {self.tokens}")
+        if not isinstance(self.at_least, int) or self.at_least < 0:
+            raise ValueError(f"Budget at_least must be a count of at least 0, got {self.at_least!r}")
         if self.at_least and self.fraction is None:
             raise ValueError("only a fraction budget has a floor (at_least)")
 

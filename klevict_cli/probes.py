@@ -29,10 +29,12 @@ REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting wi
 
 @dataclass
 class ProbeRequest:
-    """One forward a probe source asks for: `ids` appended at the stream's end, recording the statistics of the last
-    `rows` of them — their attention over the entries `entries(layer)` marks (None: all), and with `sees_only`,
-    attending to those entries alone — and returning the logits of the last `logits_rows`. `scored`: the policy
-    judges the cache by these rows (False: a draft's intermediate round, whose logits only the source reads)."""
+    """One forward a probe source asks for: `ids` appended at the stream's end (at its next rotary positions, or
+    earlier where those run out and the request sees only some entries: Engine.place), recording the statistics of
+    the last `rows` of them — their attention over the entries `entries(layer)` marks (None: all), and with
+    `sees_only`, attending to those entries alone — and returning the logits of the last `logits_rows`. `scored`:
+    the policy judges the cache by these rows (False: a draft's intermediate round, whose logits only the source
+    reads)."""
 
     ids: list[int]
     rows: int = 0

@@ -95,7 +95,7 @@ def test_percent_resolves_exactly_for_many_sizes():
 
 @pytest.mark.parametrize(
     "kwargs", [{}, {"fraction": 0.5, "tokens": 3}, {"fraction": 0.0}, {"fraction": 1.5}, {"tokens": 0},
-               {"tokens": 64, "at_least": 96}]
+               {"tokens": 64, "at_least": 96}, {"fraction": 0.1, "at_least": -5}, {"fraction": 0.1, "at_least": 9.5}]
 )
 def test_budget_invariants(kwargs):
     with pytest.raises(ValueError):

@@ -89,7 +89,9 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
 
 
-def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_it_would_at_the_end():
+@pytest.mark.parametrize("split", [True, False])  # the CPU's past-then-chunk attention, and the masked one
+def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_it_would_at_the_end(split,
+                                                                                                    monkeypatch):
     """A document read close to the model's last position leaves no room for a re-reading after it; a span's
     re-reading sees only the sinks, the span and itself, so it sits as late as the positions allow (Engine.place):
     its logits there are the model's own over exactly those cached entries (a plain transformers cache holding
@@ -97,8 +99,11 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     stream is as it was afterwards."""
     from transformers import DynamicCache
 
+    from klevict_cli import attention
     from klevict_cli.probes import SINKS, ProbeRequest
 
+    if not split:
+        monkeypatch.setattr(attention, "_can_split", lambda *args: False)
     model, reference = (tiny_llama(seed=5, max_position_embeddings=96) for _ in range(2))
     reference.set_attn_implementation("eager")
     ids = torch.randint(0, 300, (80,)).tolist()
@@ -110,6 +115,9 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     (lo, hi), n = request.judged, len(request.ids)
     start = engine.place(stream, request)
     assert start == 96 - n < stream.next_rope and start > hi
+    at_the_edge = ProbeRequest(request.ids + [5] * (start - hi), entries=request.entries, sees_only=True)
+    assert engine.place(stream, at_the_edge) == hi  # right after the last entry it sees
+    assert engine.place(stream, ProbeRequest(at_the_edge.ids + [5], entries=request.entries, sees_only=True)) is None
     seen = torch.tensor(list(range(SINKS)) + list(range(lo, hi)))
     with torch.inference_mode():
         logits, _ = engine.forward(stream, request.ids, logits_rows=n, attend_entries=request.entries, probing=True,
@@ -254,9 +262,9 @@ def test_restricted_max_attention_matches_a_loop():
     torch.manual_seed(0)
     weights = torch.rand(4, 3, 10).softmax(dim=-1)  # 4 query heads, 2 KV heads
     inside = torch.rand(2, 10) > 0.3
-    judged = inside & (torch.arange(10) < 6)
-    got = restricted_max_attention(weights, inside, judged)
-    assert_max_of_restricted_attention(got, weights, inside, judged, lambda h, t, j: 1.0)
+    for judged in (inside & (torch.arange(10) < 6), (torch.arange(10) < 6).expand(2, 10)):  # some outside `inside`
+        got = restricted_max_attention(weights, inside, judged)
+        assert_max_of_restricted_attention(got, weights, inside, judged, lambda h, t, j: 1.0)
 
 
 def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
