@@ -41,11 +41,12 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cu
 
 
 def timed_feed(session: Session, ids: list[int], method: str, budget: int | None, device: torch.device,
-               scoped: bool = False) -> float:
+               scoped: bool = False, estimate: bool = False) -> float:
     """One read of `ids` as the CLI reads (its engine, chunking and working limit; `kl-reconstruct` as `compress`).
 
-    `scoped` marks evictions and their model passes for the profiler (op_count's scopes)."""
-    engine = session.engine(method, budget, ReadSettings(budget=None), "original")
+    `scoped` marks evictions and their model passes for the profiler (op_count's scopes); `estimate`: the read
+    measures its drift (as `compress` does by default)."""
+    engine = session.engine(method, budget, ReadSettings(budget=None, measure_drift=estimate), "original")
     if scoped:
         engine.__class__ = counted(type(engine))
     stream = engine.new_stream()
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="raw results (one entry per --tokens)")
     parser.add_argument("--random-weights", action="store_true", help="--model's shape with random weights")
     parser.add_argument("--profile", default=None, help="write a profile of one read per method to this file")
+    parser.add_argument("--estimate", action="store_true", help="the reads measure their drift (compress's default)")
     args = parser.parse_args()
 
     if args.random_weights:
@@ -156,7 +158,7 @@ def measure(session: Session, ids: list[int], tokens: int, args, device: torch.d
             for method in methods:
                 for budget in budgets:
                     full = timed_feed(session, window, "none", None, device)
-                    compressed = timed_feed(session, window, method, budget, device)
+                    compressed = timed_feed(session, window, method, budget, device, estimate=args.estimate)
                     full_times.append(full)
                     ratios[(method, budget)].append(compressed / full)
 
