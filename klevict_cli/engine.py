@@ -538,7 +538,9 @@ class Engine:
         """Judge the entries read since the last time by reconstruction probes (probes.Reconstruction): the policy
         keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`)."""
         scored = list(self._scored_layers(stream))
-        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed)
+        # the tokens read since the last eviction sit at their position less this many rotary positions (compact mode)
+        shift = stream.next_position - stream.next_rope
+        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.adapter.max_positions + shift)
         for probe_set in self.probe_sets(stream, requests):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
                                       judged=probe_set.judged, appended=probe_set.appended)

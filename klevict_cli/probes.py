@@ -137,15 +137,24 @@ class Reconstruction:
         bounds = [lo + (hi - lo) * k // count for k in range(count + 1)]
         return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    def requests(self, tokens: list[int], start: int) -> Requests:
+    def requests(self, tokens: list[int], start: int, limit: int | None = None) -> Requests:
         """Re-read `tokens` (the document read so far) from position `start` to its end, one span per request (the
-        engine stops at the first that fits nowhere in the model's positions: Engine.place)."""
+        engine stops at the first that fits nowhere in the model's positions: Engine.place). A span re-read against
+        itself alone must sit after itself and before `limit` (the model's positions, in the tokens' own numbering);
+        near it, spans are cut shorter so that each does, and the document's last tokens are re-read too."""
         end = len(tokens)
         for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
-            prompt = self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]
-            ids = prompt + self.suffix + tokens[lo:hi]
-            yield ProbeRequest(ids, rows=hi - lo, entries=functools.partial(_span_entries, lo, hi, end),
-                               sees_only=self.sees == "span", judged=(lo, hi))
+            while lo < hi:
+                prompt = (self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]) + self.suffix
+                cut = hi
+                if limit is not None and self.sees == "span":  # placed at limit - n >= cut, n = len(prompt) + cut - lo
+                    cut = min(hi, (limit - len(prompt) + lo) // 2)
+                    if cut <= lo:
+                        return
+                yield ProbeRequest(prompt + tokens[lo:cut], rows=cut - lo, judged=(lo, cut),
+                                   entries=functools.partial(_span_entries, lo, cut, end),
+                                   sees_only=self.sees == "span")
+                lo = cut
 
 
 def _span_entries(lo: int, hi: int, end: int, layer) -> torch.Tensor:

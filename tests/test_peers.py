@@ -136,6 +136,9 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     assert engine.place(stream, ProbeRequest(request.ids)) is None  # the whole cache, from after it: no room
     judged = [probe_set.judged for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0))]
     assert judged == [(1, 16), (16, 32), (32, 48), (48, 64)]  # (64, 80) would sit before its own span
+    # told where the positions end, the source cuts the last spans so that each fits after itself
+    judged = [probe_set.judged for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0, 96))]
+    assert judged == [(1, 16), (16, 32), (32, 48), (48, 64), (64, 77), (77, 80)]
     assert [s.judged for s in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0))] == []
 
 
