@@ -100,6 +100,7 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     from transformers import DynamicCache
 
     from klevict_cli import attention
+    from klevict_cli.adapters import run_with_cache
     from klevict_cli.probes import SINKS, ProbeRequest
 
     if not split:
@@ -123,12 +124,13 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
         logits, _ = engine.forward(stream, request.ids, logits_rows=n, attend_entries=request.entries, probing=True,
                                    rope_start=start)
         engine.forget_drafts(stream, n)
-        cache = DynamicCache()
-        for i, layer in enumerate(reference(input_ids=torch.tensor([ids]), use_cache=True).past_key_values.layers):
+        full, cache = DynamicCache(), DynamicCache()
+        run_with_cache(reference, full, input_ids=torch.tensor([ids]))
+        for i, layer in enumerate(full.layers):
             cache.update(layer.keys[:, :, seen], layer.values[:, :, seen], i)
-        expected = reference(input_ids=torch.tensor([request.ids]), past_key_values=cache,
-                             position_ids=torch.arange(start, start + n)[None],
-                             cache_position=torch.arange(len(seen), len(seen) + n)).logits[0]
+        expected = run_with_cache(reference, cache, input_ids=torch.tensor([request.ids]),
+                                  position_ids=torch.arange(start, start + n)[None],
+                                  cache_position=torch.arange(len(seen), len(seen) + n)).logits[0]
     assert (logits - expected).abs().max().item() <= 1e-4
     assert stream.tokens == ids and stream.next_rope == 80
     late = ProbeRequest(request.ids, entries=lambda layer: layer.valid, sees_only=True)  # sees up to position 79
