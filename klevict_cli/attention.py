@@ -63,7 +63,8 @@ class ForwardContext:
     # layer -> (H_kv, C) bool: the cached entries this forward's tokens may attend to, besides each other (the rest
     # of the cache is hidden from them); None: every valid entry
     attend_entries: Callable | None = None
-    # (T,) true positions of the tokens in this forward: the largest in the stream (None: by rotary position)
+    # (T,) true positions of the tokens in this forward, the largest in the stream: with `attend_entries`, how its
+    # own tokens are told apart from the cache (Engine.forward sets both)
     positions: torch.Tensor | None = None
 
     def visible(self, layer) -> torch.Tensor:
@@ -72,9 +73,7 @@ class ForwardContext:
         are: Engine.place)."""
         if self.attend_entries is None:
             return layer.valid
-        own = (layer.rope_positions >= self.query_positions[0] if self.positions is None
-               else layer.positions >= self.positions[0])
-        return layer.valid & (self.attend_entries(layer) | own)
+        return layer.valid & (self.attend_entries(layer) | (layer.positions >= self.positions[0]))
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("klevict_forward", default=None)
