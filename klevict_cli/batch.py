@@ -234,8 +234,6 @@ class Worker:
     def compress(self, path: str, kvc: str, data: bytes,
                  progress: Callable[[int, int], None] | None = None) -> tuple[dict, bytes | None]:
         """The manifest record and the `.kvc` bytes (None if the document failed) for one document."""
-        import torch
-
         from klevict_cli.documents import document_from_bytes
         from klevict_cli.kvc import encode_kvc
 
@@ -244,8 +242,7 @@ class Worker:
         try:
             document = document_from_bytes(path, data)
             result = self.session.read(document, self.settings, progress)
-            dtype = getattr(torch, self.opts["cache_dtype"]) if self.opts.get("cache_dtype") else None
-            cache = self.session.cache_file(result, cache_dtype=dtype)
+            cache = self.session.cache_file(result, cache_dtype=self.opts.get("cache_dtype"))
             kept = sum(sum(c) for c in result.stream.cache.kept_counts())
             cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self._key,
                                   kept_entries=str(kept), **({"batch_quick": self._quick} if self._quick else {}))

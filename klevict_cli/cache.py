@@ -42,8 +42,7 @@ class _Column:
         return layer._storage[self.name][:, : layer._used]
 
     def __set__(self, layer, value: torch.Tensor):
-        layer._storage[self.name] = value
-        layer._used = value.shape[1]
+        layer._set_field(self.name, value)
 
 
 class LayerCache:
@@ -78,6 +77,14 @@ class LayerCache:
             window=shape.window,
         )
 
+    def _set_field(self, name: str, value: torch.Tensor) -> None:
+        self._storage[name] = value
+        self._used = value.shape[1]
+
+    def _offset(self, name: str) -> int:
+        """The first column `name`'s storage holds (a quantized layer stores its loaded keys and values apart)."""
+        return 0
+
     @property
     def capacity(self) -> int:
         return self._used
@@ -92,12 +99,12 @@ class LayerCache:
         new = {"keys": keys, "values": values, "positions": positions.expand(h, t),
                "rope_positions": rope_positions.expand(h, t), "valid": True}
         for name in _FIELDS:
-            store = self._storage[name]
-            if store.shape[1] < end:  # grow by half again (at least what is needed): amortised appends
-                grown = store.new_zeros((h, max(end, used + used // 2 + 16), *store.shape[2:]))
-                grown[:, :used] = store[:, :used]
+            store, first = self._storage[name], self._offset(name)
+            if store.shape[1] < end - first:  # grow by half again (at least what is needed): amortised appends
+                grown = store.new_zeros((h, max(end, used + used // 2 + 16) - first, *store.shape[2:]))
+                grown[:, : used - first] = store[:, : used - first]
                 store = self._storage[name] = grown
-            store[:, used:end] = new[name]
+            store[:, used - first : end - first] = new[name]
         self._used = end
         for name, extra in self.extras.items():
             self.extras[name] = torch.cat((extra, extra.new_zeros(h, t)), dim=1)

@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "reconstruct": None,  # None: on for compress (a saved cache serves questions), off for summarize
     "estimate": None,  # the same
 }
-CACHE_DTYPES = ("float32", "float16", "bfloat16")
+CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 
 # ---- shared options ------------------------------------------------------------------------------------------
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Packaged alias (smollm2-135m, the default; "
@@ -367,8 +367,9 @@ def compress(
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
     probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
-    cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16 "
-                                                    "or bfloat16 (default: the model's dtype).")] = None,
+    cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16, "
+                                                    "bfloat16, int8 or int4 (per-group codes; default: the model's "
+                                                    "dtype).")] = None,
     max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
@@ -399,12 +400,9 @@ def compress(
             raise UsageError(f"-o {output} is the input document; choose another output path")
         check_destination(output, "-o")
     session, result = read_document(opts, file, reconstruct_default=True)
-    import torch
-
     from klevict_cli.kvc import encode_kvc, save_kvc
 
-    dtype_ = getattr(torch, opts["cache_dtype"]) if opts["cache_dtype"] else None
-    cache = session.cache_file(result, cache_dtype=dtype_)
+    cache = session.cache_file(result, cache_dtype=opts["cache_dtype"])
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
     summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}

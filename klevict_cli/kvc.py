@@ -27,8 +27,12 @@ from klevict_cli.files import write_atomically
 if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (a batch's skip check) needs none
     import torch
 
+    from klevict_cli.quantized import Quantized
+
 FORMAT = "klevict-kvc"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "1"  # float keys and values
+QUANTIZED_VERSION = "2"  # int8 / int4 codes (klevict_cli/quantized.py); float caches are still written as version 1
+READABLE_VERSIONS = (FORMAT_VERSION, QUANTIZED_VERSION)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 # The largest magnitude a key or value may have: what float16 holds. A model's keys and values are far smaller (tens,
 # a few thousand for the rare outlier); a forged 1e30 would pass every other check and make every answer blank.
@@ -38,10 +42,14 @@ MAX_MAGNITUDE = 65504.0
 MAX_PARAM = float(2**20)
 MAX_PARAM_CHARS = 64
 LAYER_FIELDS = ("keys", "values", "positions", "rope_positions", "lengths")
+CODE_FIELDS = ("codes", "steps", "minima", "exact")  # of quantized keys and values: layers.{i}.keys.codes, ...
+MAX_GROUP = 4096  # entries (keys) or channels (values) per quantization group
+MAX_EXACT = 64  # each head's first entries kept in float16 beside the codes
+QUANTIZED_BITS = {"int8": 8, "int4": 4}  # cache_dtype of a quantized cache: bits per code
 
 # The only dtypes a .kvc file may hold, by their safetensors names.
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32"}  # as torch names them
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U8": "uint8"}  # torch's names
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1}
 _SAFETENSORS_NAMES = {f"torch.{dtype}": name for name, dtype in _DTYPES.items()}
 _FLOATS = ("F32", "F16", "BF16")
 
@@ -50,8 +58,8 @@ _FLOATS = ("F32", "F16", "BF16")
 class PackedLayer:
     """One layer's kept entries, packed head after head (no padding)."""
 
-    keys: torch.Tensor  # (N, key_dim)   N = lengths.sum()
-    values: torch.Tensor  # (N, value_dim)
+    keys: torch.Tensor | Quantized  # (N, key_dim)   N = lengths.sum(); quantized: see layer_tensors
+    values: torch.Tensor | Quantized  # (N, value_dim)
     positions: torch.Tensor  # (N,) int32, original token positions in the stream (index into `tokens`)
     rope_positions: torch.Tensor  # (N,) int32, position the key is currently rotated at
     lengths: torch.Tensor  # (heads,) int32, entries per KV head
@@ -109,26 +117,35 @@ def packed_from_padded(
 def padded_from_packed(
     layer: PackedLayer, capacity: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rebuild the engine's padded layout: entries packed left, zeros and position -1 where `valid` is False."""
+    """Rebuild the engine's padded layout of float keys and values: entries packed left, zeros and position -1
+    where `valid` is False."""
     import torch
 
-    device = layer.keys.device
-    lengths = layer.lengths.to(device=device, dtype=torch.int64)
-    heads = lengths.numel()
-    longest = int(lengths.max()) if heads else 0
+    valid = padding_mask(layer.lengths, capacity)
+    keys, values = (pad_rows(rows, valid) for rows in (layer.keys, layer.values))
+    positions, rope_positions = (pad_rows(rows.to(torch.int32), valid, -1)
+                                 for rows in (layer.positions, layer.rope_positions))
+    return keys, values, positions, rope_positions, valid
+
+
+def padding_mask(lengths: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """(heads, capacity) bool, true at each head's first `lengths` columns (capacity: the longest by default)."""
+    import torch
+
+    lengths = lengths.to(torch.int64)
+    longest = int(lengths.max()) if lengths.numel() else 0
     capacity = longest if capacity is None else capacity
     if capacity < longest:
         raise ValueError(f"a head holds {longest} entries, more than the capacity {capacity}")
-    valid = torch.arange(capacity, device=device)[None, :] < lengths[:, None]
-    keys = layer.keys.new_zeros(heads, capacity, layer.keys.shape[1])
-    values = layer.values.new_zeros(heads, capacity, layer.values.shape[1])
-    positions = torch.full((heads, capacity), -1, dtype=torch.int32, device=device)
-    rope_positions = torch.full((heads, capacity), -1, dtype=torch.int32, device=device)
-    keys[valid] = layer.keys
-    values[valid] = layer.values
-    positions[valid] = layer.positions.to(torch.int32)
-    rope_positions[valid] = layer.rope_positions.to(torch.int32)
-    return keys, values, positions, rope_positions, valid
+    return torch.arange(capacity, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def pad_rows(rows: torch.Tensor, valid: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """(N, ...) rows packed head after head, laid out (heads, capacity, ...) where `valid`; `fill` elsewhere."""
+    valid = valid.to(rows.device)
+    out = rows.new_full((*valid.shape, *rows.shape[1:]), fill)
+    out[valid] = rows
+    return out
 
 
 # --- saving ---------------------------------------------------------------------------------------------------
@@ -150,8 +167,10 @@ def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
     tensors = _tensors_of(kvc)
     metadata = dict(kvc.metadata)
     metadata.pop("payload_sha256", None)
-    metadata.update(format=FORMAT, format_version=FORMAT_VERSION, num_layers=str(len(kvc.layers)))
-    if kvc.layers:
+    is_quantized = quantized(kvc)
+    metadata.update(format=FORMAT, format_version=QUANTIZED_VERSION if is_quantized else FORMAT_VERSION,
+                    num_layers=str(len(kvc.layers)))
+    if kvc.layers and not is_quantized:
         metadata.setdefault("cache_dtype", _dtype_name(kvc.layers[0].keys.dtype))
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _error(name, "cannot save: metadata must map strings to strings")
@@ -159,7 +178,7 @@ def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
     _check_metadata_values(name, metadata)
     layout = {key: _Entry(_safetensors_name(t.dtype), tuple(t.shape)) for key, t in tensors.items()}
     num_layers = _check_layout(name, metadata, layout)
-    _check_contents(name, _layers_of(tensors, num_layers), tensors["tokens"])
+    _check_contents(name, _layers_of(tensors, num_layers, metadata), tensors["tokens"])
     metadata["payload_sha256"] = _payload_sha256(metadata, tensors)
     return safetensors.torch.save(tensors, metadata=metadata)
 
@@ -168,7 +187,12 @@ def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors by file name; shared storage is copied because safetensors refuses aliases."""
     named = {"tokens": kvc.tokens}
     for i, layer in enumerate(kvc.layers):
-        named.update({f"layers.{i}.{field}": getattr(layer, field) for field in LAYER_FIELDS})
+        for field in LAYER_FIELDS:
+            value = getattr(layer, field)
+            if _is_float(value) or field not in ("keys", "values"):
+                named[f"layers.{i}.{field}"] = value
+            else:
+                named.update({f"layers.{i}.{field}.{part}": getattr(value, part) for part in CODE_FIELDS})
     tensors, seen = {}, set()
     for name, tensor in named.items():
         tensor = tensor.detach().cpu().contiguous()
@@ -216,7 +240,7 @@ def load_kvc(
         num_layers = _check_layout(path, metadata, entries)
         tensors = _read_tensors(path, f, 8 + length, metadata, entries)
 
-    layers = _layers_of(tensors, num_layers)
+    layers = _layers_of(tensors, num_layers, metadata)
     _check_contents(path, layers, tensors["tokens"])
     _check_expected(path, metadata, expect or {}, using)
     _check_specs(path, layers, specs)
@@ -353,9 +377,10 @@ def _check_format(path: Path, metadata: dict[str, str]) -> None:
     if metadata.get("format") != FORMAT:
         raise _error(path, "not a klevict cache file")
     version = metadata.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         shown = "(missing)" if version is None else _show(version)
-        raise _error(path, f"unsupported .kvc format version {shown} (this klevict reads {FORMAT_VERSION})")
+        readable = " and ".join(READABLE_VERSIONS)
+        raise _error(path, f"unsupported .kvc format version {shown} (this klevict reads {readable})")
 
 
 def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry]) -> int:
@@ -364,10 +389,12 @@ def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry
     if not (raw.isascii() and raw.isdigit()):
         raise _error(path, f"metadata num_layers is not a count ({_show(raw)})")
     num_layers = int(raw)
-    needed = len(LAYER_FIELDS) * num_layers + 1
+    quantization = _quantization(path, metadata)
+    fields = _file_fields(quantization is not None)
+    needed = len(fields) * num_layers + 1
     if len(layout) != needed:
         raise _error(path, f"holds {len(layout)} tensors but {num_layers} layers need {needed}")
-    names = ["tokens"] + [f"layers.{i}.{field}" for i in range(num_layers) for field in LAYER_FIELDS]
+    names = ["tokens"] + [f"layers.{i}.{field}" for i in range(num_layers) for field in fields]
     missing = [name for name in names if name not in layout]
     if missing:
         raise _error(path, f"missing tensor {missing[0]}")
@@ -384,21 +411,23 @@ def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry
     require("tokens", ("I32",), 1)
     cache_dtype = None
     for i in range(num_layers):
-        names = {field: f"layers.{i}.{field}" for field in LAYER_FIELDS}
-        counts = {
-            require(names["keys"], _FLOATS, 2)[0],
-            require(names["values"], _FLOATS, 2)[0],
-            require(names["positions"], ("I32",), 1)[0],
-            require(names["rope_positions"], ("I32",), 1)[0],
-        }
-        require(names["lengths"], ("I32",), 1)
+        prefix = f"layers.{i}."
+        if quantization is None:
+            counts = {require(prefix + "keys", _FLOATS, 2)[0], require(prefix + "values", _FLOATS, 2)[0]}
+            cache_dtype = cache_dtype or layout[prefix + "keys"].dtype
+            for name in (prefix + "keys", prefix + "values"):
+                if layout[name].dtype != cache_dtype:
+                    found, wanted = _dtype_name(layout[name].dtype), _dtype_name(cache_dtype)
+                    raise _error(path, f"tensor {name} has dtype {found} but the cache holds {wanted}")
+        else:
+            counts = _check_codes_layout(path, i, require, *quantization)
+        counts |= {require(prefix + "positions", ("I32",), 1)[0], require(prefix + "rope_positions", ("I32",), 1)[0]}
+        heads = require(prefix + "lengths", ("I32",), 1)[0]
         if len(counts) != 1:
             raise _error(path, f"layer {i}: keys, values and positions disagree on the number of entries")
-        cache_dtype = cache_dtype or layout[names["keys"]].dtype
-        for name in (names["keys"], names["values"]):
-            if layout[name].dtype != cache_dtype:
-                found, wanted = _dtype_name(layout[name].dtype), _dtype_name(cache_dtype)
-                raise _error(path, f"tensor {name} has dtype {found} but the cache holds {wanted}")
+        if quantization is not None and layout[prefix + "keys.steps"].shape[0] != heads:
+            raise _error(path, f"layer {i}: the key steps are for {layout[prefix + 'keys.steps'].shape[0]} heads,"
+                               f" the layer has {heads}")
     declared = metadata.get("cache_dtype")
     if cache_dtype and declared is not None and declared.removeprefix("torch.") != _dtype_name(cache_dtype):
         found = _dtype_name(cache_dtype)
@@ -406,10 +435,69 @@ def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry
     return num_layers
 
 
-def _layers_of(tensors: dict[str, torch.Tensor], num_layers: int) -> list[PackedLayer]:
-    return [
-        PackedLayer(**{field: tensors[f"layers.{i}.{field}"] for field in LAYER_FIELDS}) for i in range(num_layers)
-    ]
+def _quantization(path: Path, metadata: dict[str, str]) -> tuple[int, int, int] | None:
+    """(bits, group, exact) of a quantized cache (format version 2, cache_dtype int8 / int4); None for a float
+    one."""
+    declared = metadata.get("cache_dtype")
+    if metadata.get("format_version") != QUANTIZED_VERSION:
+        if declared in QUANTIZED_BITS:
+            raise _error(path, f"metadata cache_dtype {declared} needs format version {QUANTIZED_VERSION}")
+        return None
+    if declared not in QUANTIZED_BITS:
+        raise _error(path, f"a version {QUANTIZED_VERSION} file holds an int8 or int4 cache, not"
+                           f" {_show(declared or '(no cache_dtype)')}")
+    counts = []
+    for key, low, high in (("quant_group", 1, MAX_GROUP), ("quant_exact", 0, MAX_EXACT)):
+        value = metadata.get(key, "")
+        if not (value.isascii() and value.isdigit() and low <= int(value) <= high):
+            raise _error(path, f"metadata {key} is not a count in {low}..{high} ({_show(value or '(missing)')})")
+        counts.append(int(value))
+    return QUANTIZED_BITS[declared], *counts
+
+
+def _file_fields(quantized: bool) -> list[str]:
+    """A layer's tensors in the file (after `layers.{i}.`)."""
+    if not quantized:
+        return list(LAYER_FIELDS)
+    return [f"{field}.{part}" if field in ("keys", "values") else field
+            for field in LAYER_FIELDS for part in (CODE_FIELDS if field in ("keys", "values") else ("",))]
+
+
+def _check_codes_layout(path: Path, i: int, require, bits: int, group: int, exact: int) -> set[int]:
+    """Quantized keys and values: uint8 codes (int4: two per byte) and float16 steps and minima of the same shape,
+    as many as the codes' width and the group size imply, and (heads, exact, width) float16 exact entries; returns
+    the entry counts they state."""
+    counts = set()
+    heads = {require(f"layers.{i}.lengths", ("I32",), 1)[0]}
+    for field, steps_ndim in (("keys", 3), ("values", 2)):
+        name = f"layers.{i}.{field}"
+        codes = require(name + ".codes", ("U8",), 2)
+        steps = require(name + ".steps", ("F16",), steps_ndim)
+        if require(name + ".minima", ("F16",), steps_ndim) != steps:
+            raise _error(path, f"layer {i}: {field} steps and minima differ in shape")
+        width = codes[1] * 8 // bits
+        if field == "keys" and steps[2] != width:
+            raise _error(path, f"layer {i}: key codes hold {width} channels but their steps {steps[2]}")
+        if field == "values" and (steps[0] != codes[0] or steps[1] != -(-width // group)):
+            raise _error(path, f"layer {i}: value steps {list(steps)} do not fit {codes[0]} entries of {width}"
+                               f" channels in groups of {group}")
+        if require(name + ".exact", ("F16",), 3) != (*heads, exact, width):
+            raise _error(path, f"layer {i}: {field}.exact is not {exact} entries of {width} channels per head")
+        counts |= {codes[0]}
+    return counts
+
+
+def _layers_of(tensors: dict[str, torch.Tensor], num_layers: int, metadata: dict[str, str]) -> list[PackedLayer]:
+    from klevict_cli.quantized import Quantized
+
+    def field(i: int, name: str):
+        prefix = f"layers.{i}.{name}"
+        if prefix in tensors:
+            return tensors[prefix]
+        bits, group = QUANTIZED_BITS[metadata["cache_dtype"]], int(metadata["quant_group"])
+        return Quantized(*(tensors[f"{prefix}.{part}"] for part in CODE_FIELDS), bits=bits, group=group)
+
+    return [PackedLayer(**{name: field(i, name) for name in LAYER_FIELDS}) for i in range(num_layers)]
 
 
 def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor) -> None:
@@ -426,20 +514,48 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
         if int(lengths.sum()) != entries:
             total = int(lengths.sum())
             raise _error(path, f"layer {i}: head lengths sum to {total} but the layer holds {entries} entries")
+        if not _is_float(layer.keys):
+            _check_codes(path, i, layer.keys, layer.values, int(lengths.max()) if lengths.numel() else 0)
         if entries == 0:
             continue
-        if not (torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()):
-            raise _error(path, f"layer {i}: keys or values hold NaN or infinity")
-        largest = max(float(layer.keys.abs().max()), float(layer.values.abs().max()))
-        if largest > MAX_MAGNITUDE:
-            raise _error(path, f"layer {i}: a key or value of magnitude {largest:.3g}, beyond any model's"
-                               f" ({MAX_MAGNITUDE:g} at most)")
+        if _is_float(layer.keys):
+            if not (torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()):
+                raise _error(path, f"layer {i}: keys or values hold NaN or infinity")
+            largest = max(float(layer.keys.abs().max()), float(layer.values.abs().max()))
+            if largest > MAX_MAGNITUDE:
+                raise _error(path, f"layer {i}: a key or value of magnitude {largest:.3g}, beyond any model's"
+                                   f" ({MAX_MAGNITUDE:g} at most)")
         if int(layer.positions.min()) < 0 or int(layer.positions.max()) >= tokens.numel():
             raise _error(path, f"layer {i}: positions out of range for the {tokens.numel()} streamed tokens")
         if int(layer.rope_positions.min()) < 0:
             raise _error(path, f"layer {i}: a rope position is negative")
         if not _increasing_within_heads(layer.positions, lengths):
             raise _error(path, f"layer {i}: positions are not strictly increasing within a head")
+
+
+def _check_codes(path: Path, i: int, keys: Quantized, values: Quantized, longest: int) -> None:
+    """Steps finite and positive, minima finite, every value the codes can stand for within MAX_MAGNITUDE, and one
+    key group for every `group` entries of the fullest head."""
+    import torch
+
+    groups = -(-longest // keys.group)
+    if keys.steps.shape[1] != groups:
+        raise _error(path, f"layer {i}: {keys.steps.shape[1]} key groups, but {longest} entries in groups of"
+                           f" {keys.group} make {groups}")
+    for q in (keys, values):
+        exact = q.exact.float().abs()
+        if not (torch.isfinite(exact).all() and (exact <= MAX_MAGNITUDE).all()):
+            raise _error(path, f"layer {i}: an exact entry is not finite or beyond any model's magnitude")
+        if not q.steps.numel():
+            continue
+        steps, minima = q.steps.float(), q.minima.float()
+        if not (torch.isfinite(steps).all() and torch.isfinite(minima).all()) or float(steps.min()) <= 0:
+            raise _error(path, f"layer {i}: a quantization step is not a finite positive number, or a minimum is"
+                               " not finite")
+        largest = float(torch.maximum(minima.abs(), (minima + steps * ((1 << q.bits) - 1)).abs()).max())
+        if largest > MAX_MAGNITUDE:
+            raise _error(path, f"layer {i}: codes that stand for magnitudes up to {largest:.3g}, beyond any model's"
+                               f" ({MAX_MAGNITUDE:g} at most)")
 
 
 def check_vocabulary(path: Path | str, tokens: torch.Tensor, vocab_size: int) -> None:
@@ -545,7 +661,7 @@ def _check_specs(path: Path, layers: list[PackedLayer], specs: list[LayerSpec] |
             path, f"made for a model with a different shape ({len(layers)} layers; this model has {len(specs)})"
         )
     for i, (layer, spec) in enumerate(zip(layers, specs)):
-        found = (layer.lengths.numel(), layer.keys.shape[1], layer.values.shape[1])
+        found = (layer.lengths.numel(), width(layer.keys), width(layer.values))
         wanted = (spec.heads, spec.key_dim, spec.value_dim)
         if found != wanted:
             raise _error(
@@ -581,6 +697,24 @@ def _metadata_digest(metadata: dict[str, str]):
 def _frame(digest, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
     """What precedes a tensor's bytes in the checksum: its name, dtype, shape and length."""
     digest.update(json.dumps([name, dtype, list(shape), nbytes]).encode() + b"\n")
+
+
+def _is_float(tensor: torch.Tensor | Quantized) -> bool:
+    return not hasattr(tensor, "codes")
+
+
+def quantized(kvc: KvcFile) -> bool:
+    return bool(kvc.layers) and not _is_float(kvc.layers[0].keys)
+
+
+def width(tensor: torch.Tensor | Quantized) -> int:
+    """Channels per entry of packed keys or values."""
+    return tensor.shape[1] if _is_float(tensor) else tensor.width
+
+
+def nbytes(tensor: torch.Tensor | Quantized) -> int:
+    """Bytes of packed keys or values (codes with their steps and minima)."""
+    return tensor.numel() * tensor.element_size() if _is_float(tensor) else tensor.nbytes()
 
 
 def _safetensors_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import visible
-from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc
+from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc, nbytes, quantized, width
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -47,12 +47,11 @@ def describe(path: Path, kvc: KvcFile) -> dict:
     meta = kvc.metadata
     per_layer = [layer.lengths.tolist() for layer in kvc.layers]
     n_tokens = len(kvc.tokens)
-    itemsize = kvc.layers[0].keys.element_size() if kvc.layers else 0
-    full = sum(
-        n_tokens * len(layer.lengths) * (layer.keys.shape[1] + layer.values.shape[1]) * itemsize
-        for layer in kvc.layers
-    )
-    kept = sum(int(layer.keys.numel() + layer.values.numel()) * itemsize for layer in kvc.layers)
+    # the full cache in the file's float dtype; a quantized file's against float16 (what its codes replace)
+    itemsize = kvc.layers[0].keys.element_size() if kvc.layers and not quantized(kvc) else 2
+    full = sum(n_tokens * len(layer.lengths) * (width(layer.keys) + width(layer.values)) * itemsize
+               for layer in kvc.layers)
+    kept = sum(nbytes(layer.keys) + nbytes(layer.values) for layer in kvc.layers)
     share = kept_share(kvc)
     runs = spans(share)
     return {

@@ -22,7 +22,10 @@ from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
-from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
+from klevict_cli.kvc import (
+    QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, packed_from_padded, padded_from_packed, save_kvc,
+)
+from klevict_cli.quantized import EXACT, GROUP, Quantized, quantize_packed, quantized_layer_cache
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
 from klevict_cli.policies import POLICIES, make_policy
@@ -254,25 +257,22 @@ class Session:
             "model_weights_sha256": self.lm.weights_sha256,
         }
 
-    def save(self, path: Path, result: ReadResult, cache_dtype: torch.dtype | None = None) -> int:
+    def save(self, path: Path, result: ReadResult, cache_dtype: str | None = None) -> int:
         return save_kvc(path, self.cache_file(result, cache_dtype))
 
-    def cache_file(self, result: ReadResult, cache_dtype: torch.dtype | None = None) -> KvcFile:
-        """What `save` writes, for writers other than a file (e.g. standard output)."""
+    def cache_file(self, result: ReadResult, cache_dtype: str | None = None) -> KvcFile:
+        """What `save` writes, for writers other than a file (e.g. standard output). `cache_dtype`: float32,
+        float16, bfloat16, int8 or int4 (klevict_cli/quantized.py); default the model's dtype."""
         stream, settings = result.stream, result.settings
-        layers = []
-        for layer in stream.cache.layers:
-            keys, values = layer.keys, layer.values
-            if cache_dtype is not None:
-                keys, values = keys.to(cache_dtype), values.to(cache_dtype)
-            layers.append(packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(),
-                                             layer.rope_positions.cpu(), layer.valid.cpu()))
-        dtype = layers[0].keys.dtype if layers else torch.float32
+        layers = packed_layers(stream.cache, cache_dtype)
+        bits = QUANTIZED_BITS.get(cache_dtype)
+        dtype = cache_dtype if bits else str(layers[0].keys.dtype if layers else torch.float32).removeprefix("torch.")
         meta = {
             **self.identity(),
             "model_id": self.lm.model_id,
             "klevict_version": __version__,
-            "cache_dtype": str(dtype).removeprefix("torch."),
+            "cache_dtype": dtype,
+            **({"quant_group": str(GROUP), "quant_exact": str(EXACT)} if bits else {}),
             "position_mode": result.plan.mode,
             "next_position": str(stream.next_position),
             "next_rope": str(stream.next_rope),
@@ -300,6 +300,10 @@ class Session:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""
         kvc = load_kvc(path, specs=self.layer_specs(), expect=self.identity(), vocab_size=len(self.lm.tokenizer),
                        using=self.lm.model_id)
+        return self.stream_of(kvc, path), kvc.metadata
+
+    def stream_of(self, kvc: KvcFile, path: Path | str) -> Stream:
+        """The stream a checked `.kvc` file holds, on this model's device: quantized layers stay quantized."""
         meta = kvc.metadata
         try:
             next_rope = int(meta["next_rope"])
@@ -318,15 +322,44 @@ class Session:
             make_policy(meta["method"]).restore(state, self.kv_heads())
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             raise CacheFileError(f"{path}: invalid method state in the metadata ({exc})") from None
-        param = next(self.lm.model.parameters())
-        layers = []
-        for packed, shape in zip(kvc.layers, self.adapter.layer_shapes()):
-            keys, values, positions, rope, valid = padded_from_packed(packed)
-            if valid.any() and int(rope[valid].max()) >= next_rope:
+        for packed in kvc.layers:
+            if packed.rope_positions.numel() and int(packed.rope_positions.max()) >= next_rope:
                 raise CacheFileError(f"{path}: a cached entry sits at or after the next position")
-            layers.append(LayerCache(
+        return Stream(self.cache_of(kvc.layers), tokens=kvc.tokens.tolist(), next_rope=next_rope, policy_state=state)
+
+    def cache_of(self, layers: list[PackedLayer]) -> KVCache:
+        """Packed layers (a file's) as the engine's cache on this model's device; quantized ones stay quantized."""
+        param = next(self.lm.model.parameters())
+        caches = []
+        for packed, shape in zip(layers, self.adapter.layer_shapes()):
+            if isinstance(packed.keys, Quantized):
+                caches.append(quantized_layer_cache(packed, shape.window, param.device, param.dtype))
+                continue
+            keys, values, positions, rope, valid = padded_from_packed(packed)
+            caches.append(LayerCache(
                 keys.to(param.device, param.dtype), values.to(param.device, param.dtype),
                 positions.long().to(param.device), rope.long().to(param.device), valid.to(param.device), shape.window,
             ))
-        stream = Stream(KVCache(layers), tokens=kvc.tokens.tolist(), next_rope=next_rope, policy_state=state)
-        return stream, meta
+        return KVCache(caches)
+
+    def as_stored(self, stream: Stream, cache_dtype: str) -> Stream:
+        """`stream` as `compress --cache-dtype` writes it and `ask` loads it back (what the bench measures)."""
+        stored = stream.clone()
+        stored.cache = self.cache_of(packed_layers(stream.cache, cache_dtype))
+        return stored
+
+
+def packed_layers(cache: KVCache, cache_dtype: str | None = None) -> list[PackedLayer]:
+    """The cache's kept entries as the file stores them, in `cache_dtype` (float32, float16, bfloat16, int8 or int4;
+    default: as they are)."""
+    bits = QUANTIZED_BITS.get(cache_dtype)
+    float_dtype = getattr(torch, cache_dtype) if cache_dtype and bits is None else None
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if float_dtype is not None:
+            keys, values = keys.to(float_dtype), values.to(float_dtype)
+        packed = packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(), layer.rope_positions.cpu(),
+                                    layer.valid.cpu())
+        layers.append(packed if bits is None else quantize_packed(packed, bits))
+    return layers

@@ -311,6 +311,20 @@ def test_compress_cache_dtype_float16_about_halves_the_file(doc, model, compress
     assert_ok(invoke("ask", f16_path, QUESTIONS[0], "--model", model, *GEN))  # a float32 model reads it
 
 
+@pytest.mark.parametrize("dtype, most", [("int8", 0.35), ("int4", 0.22)])
+def test_compress_quantized_cache_is_smaller_and_answers(doc, model, compressed, tmp_path, dtype, most):
+    f32_path, f32 = compressed
+    path = tmp_path / f"{dtype}.kvc"
+    summary = json_out(invoke("compress", doc, "-o", path, "--model", model, "--budget", "64", *FAST,
+                              "--cache-dtype", dtype, "--json"))
+    assert summary["file_bytes"] == path.stat().st_size < f32["file_bytes"], (summary, f32)
+    info, f32_info = (json_out(invoke("inspect", p, "--json")) for p in (path, f32_path))
+    assert info["metadata"]["cache_dtype"] == dtype and info["metadata"]["format_version"] == "2"
+    # codes with their steps and minima (head size 16: a large share) against float32 keys and values
+    assert info["kv_bytes_kept"] < most * f32_info["kv_bytes_kept"], (info["kv_bytes_kept"], f32_info["kv_bytes_kept"])
+    assert_ok(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN))
+
+
 def test_compress_refuses_to_overwrite_its_input(doc, model, tmp_path, monkeypatch):
     original = doc.read_bytes()
     assert_error(invoke("compress", doc, "-o", doc, "--model", model, *FAST), 2, "input document")
@@ -916,7 +930,7 @@ def test_device_and_dtype_are_options_checked_before_reading(doc, model, monkeyp
 
 
 def test_bad_cache_dtype(doc, model, tmp_path):
-    assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--cache-dtype", "int8"), 2,
+    assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--cache-dtype", "int3"), 2,
                  "--cache-dtype", "float16")
 
 

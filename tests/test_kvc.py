@@ -241,8 +241,8 @@ def test_edited_metadata_value(saved):
 
 def test_future_format_version(tmp_path):
     tensors, metadata = raw_parts_of_new(tmp_path)
-    write_raw(tmp_path / "v.kvc", tensors, {**metadata, "format_version": "2"})
-    rejects(tmp_path / "v.kvc", "unsupported .kvc format version 2 (this klevict reads 1)")
+    write_raw(tmp_path / "v.kvc", tensors, {**metadata, "format_version": "3"})
+    rejects(tmp_path / "v.kvc", "unsupported .kvc format version 3 (this klevict reads 1 and 2)")
 
 
 def raw_parts_of_new(tmp_path):

@@ -1,0 +1,181 @@
+"""int8 / int4 caches: kept keys and values as per-group integer codes, in the file and in memory.
+
+Keys are grouped along the tokens of a head (one step and minimum per channel for every GROUP entries) and values
+along the channels of an entry, as KIVI found best and as measured here (docs/research-log.md, "quantized caches":
+int4 keys grouped along the channels had 1.04-1.4x the KL of keys grouped along the tokens). Entries are quantized
+in the engine's padded layout with each head's entries packed to the left, so a head's key groups are its
+consecutive kept entries; the file stores the codes packed like float keys and values, and the key groups as
+(heads, groups, key_dim).
+
+A loaded quantized cache stays quantized in memory (`QuantizedLayerCache`): the attention dequantizes one layer's
+keys and values when it reads them, and entries appended later (a question, an answer) are kept in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from klevict_cli.cache import LayerCache
+from klevict_cli.kvc import PackedLayer, pad_rows, padding_mask
+from klevict_kernels.quantize import SCALE_DTYPE, dequantize, quantize
+
+GROUP = 32  # entries per key group, channels per value group
+EXACT = 1  # each head's first kept entries (the attention sink), kept in float16 and out of their key group's range
+
+
+@dataclass
+class Quantized:
+    """Per-group codes: x ≈ minima + codes · steps (kernels/quantize.py); int4 codes two to a byte along the
+    channels. Keys: codes (H, C, ·) or packed (N, ·), steps and minima (H, groups of entries, Dk); values: codes,
+    steps and minima (H, C, ·) or (N, ·), one step per group of channels."""
+
+    codes: torch.Tensor  # uint8
+    steps: torch.Tensor  # float16
+    minima: torch.Tensor  # float16
+    exact: torch.Tensor  # (H, EXACT, D) float16: each head's first entries as they are (their codes are unused)
+    bits: int
+    group: int = GROUP
+
+    @property
+    def width(self) -> int:
+        """Channels per entry."""
+        return self.codes.shape[-1] * 8 // self.bits
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.steps, self.minima, self.exact))
+
+    def to(self, device) -> Quantized:
+        return replace(self, **{part: getattr(self, part).to(device) for part in ("codes", "steps", "minima", "exact")})
+
+
+def quantize_keys(keys: torch.Tensor, valid: torch.Tensor, bits: int, group: int = GROUP,
+                  exact: int = EXACT) -> Quantized:
+    """(H, C, Dk) keys, each head's valid entries first: one step per channel for each `group` entries; the first
+    `exact` entries of each head are kept as they are and left out of their group's range."""
+    coded = valid.clone()
+    coded[:, :exact] = False
+    return Quantized(*quantize(keys, bits, group, dim=-2, valid=coded), _exact(keys, valid, exact), bits, group)
+
+
+def quantize_values(values: torch.Tensor, valid: torch.Tensor, bits: int, group: int = GROUP,
+                    exact: int = EXACT) -> Quantized:
+    """(H, C, Dv) values, each head's valid entries first: one step per entry for each `group` channels; the
+    first `exact` entries of each head kept as they are."""
+    return Quantized(*quantize(values, bits, group, dim=-1), _exact(values, valid, exact), bits, group)
+
+
+def _exact(x: torch.Tensor, valid: torch.Tensor, exact: int) -> torch.Tensor:
+    rows = x[:, :exact].masked_fill(~valid[:, :exact, None], 0)
+    return torch.cat((rows, rows.new_zeros(x.shape[0], exact - rows.shape[1], x.shape[2])), dim=1).to(SCALE_DTYPE)
+
+
+def dequantize_keys(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """(H, C, Dk) keys of padded codes."""
+    return _restore_exact(dequantize(q.codes, q.steps, q.minima, q.bits, q.group, dim=-2, dtype=dtype), q)
+
+
+def dequantize_values(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """(H, C, Dv) values of padded codes."""
+    return _restore_exact(dequantize(q.codes, q.steps, q.minima, q.bits, q.group, dim=-1, dtype=dtype), q)
+
+
+def _restore_exact(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    n = min(q.exact.shape[1], x.shape[1])
+    x[:, :n] = q.exact[:, :n].to(x.dtype)
+    return x
+
+
+class QuantizedLayerCache(LayerCache):
+    """A layer whose first `width` columns (the loaded entries) are held as codes and dequantized on every read of
+    `keys` / `values` — once per layer and forward, by the attention — while appended entries are stored as floats.
+    An eviction among the loaded entries (a long answer kept within the budget) turns the layer into floats first:
+    a kept entry's key group may lose its other members."""
+
+    def __init__(self, keys: Quantized, values: Quantized, positions, rope_positions, valid, window,
+                 dtype: torch.dtype):
+        heads, width = valid.shape
+        self.frozen: tuple[Quantized, Quantized] | None = (keys, values)
+        self.dtype, self.width = dtype, width
+        # keys / values storage holds the float columns after the quantized ones
+        tail_k = torch.zeros(heads, 0, keys.width, dtype=dtype, device=valid.device)
+        tail_v = torch.zeros(heads, 0, values.width, dtype=dtype, device=valid.device)
+        super().__init__(tail_k, tail_v, positions, rope_positions, valid, window)
+
+    keys = property(lambda self: self._read("keys"), lambda self, value: self._set_field("keys", value))
+    values = property(lambda self: self._read("values"), lambda self, value: self._set_field("values", value))
+
+    def _read(self, name: str) -> torch.Tensor:
+        tail = self._storage[name][:, : self._used - self.width]
+        if self.frozen is None:
+            return tail
+        q = self.frozen[0 if name == "keys" else 1]
+        decode = dequantize_keys if name == "keys" else dequantize_values
+        return torch.cat((decode(q, self.dtype), tail), dim=1)
+
+    def _set_field(self, name: str, value: torch.Tensor) -> None:
+        if name in ("keys", "values"):  # only the float columns after the quantized ones are stored
+            self._storage[name] = value[:, self.width :]
+        else:
+            super()._set_field(name, value)
+
+    def _offset(self, name: str) -> int:
+        return self.width if name in ("keys", "values") else 0
+
+    def materialize(self) -> None:
+        """Hold every entry as floats (before an eviction re-packs the columns)."""
+        if self.frozen is not None:
+            keys, values = self.keys, self.values
+            self.frozen, self.width = None, 0
+            self._storage["keys"], self._storage["values"] = keys, values
+
+    def keep(self, mask: torch.Tensor, order: torch.Tensor | None = None, new_cap: int | None = None) -> None:
+        self.materialize()
+        super().keep(mask, order, new_cap)
+
+    def truncate(self, capacity: int) -> None:
+        if capacity < self.width:
+            self.materialize()
+        super().truncate(capacity)
+
+    def clone(self) -> QuantizedLayerCache:
+        copy = QuantizedLayerCache.__new__(QuantizedLayerCache)
+        # the codes are never written in place: shared
+        copy.frozen, copy.dtype, copy.width, copy.window = self.frozen, self.dtype, self.width, self.window
+        copy._used = self._used
+        copy._storage = {name: store[:, : self._used - self._offset(name)].clone()
+                         for name, store in self._storage.items()}
+        copy.extras = {name: extra.clone() for name, extra in self.extras.items()}
+        return copy
+
+    def nbytes(self) -> int:
+        """Bytes of the codes, their steps and minima, and the float entries appended after them."""
+        if self.frozen is None:
+            return super().nbytes()
+        tail_valid = int(self.valid[:, self.width :].sum())
+        tail = tail_valid * (self._storage["keys"].shape[-1] + self._storage["values"].shape[-1]) \
+            * self._storage["keys"].element_size()
+        return sum(q.nbytes() for q in self.frozen) + tail
+
+
+def quantize_packed(layer: PackedLayer, bits: int, group: int = GROUP) -> PackedLayer:
+    """A float layer as the file stores it (kvc.py), quantized: each head's keys grouped over its entries in order;
+    codes, and values' steps and minima, packed like the entries."""
+    valid = padding_mask(layer.lengths)
+    keys = quantize_keys(pad_rows(layer.keys, valid), valid, bits, group)
+    values = quantize_values(pad_rows(layer.values, valid), valid, bits, group)
+    return replace(layer, keys=replace(keys, codes=keys.codes[valid]),
+                   values=replace(values, codes=values.codes[valid], steps=values.steps[valid],
+                                  minima=values.minima[valid]))
+
+
+def quantized_layer_cache(layer: PackedLayer, window: int | None, device, dtype: torch.dtype) -> QuantizedLayerCache:
+    """A loaded quantized layer in the engine's padded layout, still quantized (dequantized as it is attended)."""
+    valid = padding_mask(layer.lengths).to(device)
+    keys = replace(layer.keys, codes=pad_rows(layer.keys.codes.to(device), valid)).to(device)
+    values = replace(layer.values, **{part: pad_rows(getattr(layer.values, part).to(device), valid)
+                                      for part in ("codes", "steps", "minima")}).to(device)
+    positions, rope_positions = (pad_rows(rows.to(device=device, dtype=torch.long), valid, -1)
+                                 for rows in (layer.positions, layer.rope_positions))
+    return QuantizedLayerCache(keys, values, positions, rope_positions, valid, window, dtype)
