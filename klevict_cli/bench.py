@@ -78,6 +78,9 @@ class BenchSettings:
     reconstruct: bool = False  # kl: reconstruction probes too, as `compress` uses
     max_kl: list[float] = field(default_factory=list)  # tolerances (`--max-kl`), each measured beside the budgets
     estimate: bool = False  # every read measures its drift (`estimated_kl`; tolerances always do), at its cost
+    # fidelity: each read's cache also measured as `compress --cache-dtype` stores it (labels "<budget> <dtype>";
+    # cache_bytes are then the stored keys and values)
+    cache_dtypes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -248,6 +251,10 @@ class _Counter:
             self.progress(self.done, self.total, label)
 
 
+def stored_label(label: str, cache_dtype: str | None) -> str:
+    return label if cache_dtype is None else f"{label} {cache_dtype}"
+
+
 def tolerance_label(max_kl: float) -> str:
     return f"max-kl {max_kl:g}"
 
@@ -309,7 +316,8 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     prefix = session.frame.prefix_ids(session.lm.tokenizer)  # the chat frame's opening, read before each window
     body = settings.context - len(prefix)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
-    labels = list(dict.fromkeys(label for _, label in reads))
+    stored_as = settings.cache_dtypes or [None]  # None: the cache as read
+    labels = [stored_label(label, dtype) for label in dict.fromkeys(label for _, label in reads) for dtype in stored_as]
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
     results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
@@ -349,16 +357,20 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
         tick(f"window {w + 1}/{len(offsets)}: full cache")
         for (method, label), read in reads.items():
             got = timed_read(session, window, read, len(cont))  # a fresh engine: the same seeded state each window
-            logits = continuation_logits(got["engine"], got["stream"], got["logits"], cont)
-            row = results[method][label]
-            for key, value in token_metrics(ref_logits, logits, targets).items():
-                row[key].append(value)
-            for key in ("seconds", "cache_bytes", "peak_cache_bytes", "peak_device_bytes", "kept_entries",
-                        "estimated_kl"):
-                row[key].append(got[key])
-            row["time_ratio"].append(got["seconds"] / max(full["seconds"][-1], 1e-12))
-            row["cache_fraction"].append(got["cache_bytes"] / max(full["cache_bytes"][-1], 1))
-            del got, logits
+            for dtype in stored_as:
+                stream, nbytes = (got["stream"].clone(), got["cache_bytes"]) if dtype is None \
+                    else session.as_stored(got["stream"], dtype)
+                logits = continuation_logits(got["engine"], stream, got["logits"], cont)
+                row = results[method][stored_label(label, dtype)]
+                for key, value in token_metrics(ref_logits, logits, targets).items():
+                    row[key].append(value)
+                for key in ("seconds", "peak_cache_bytes", "peak_device_bytes", "kept_entries", "estimated_kl"):
+                    row[key].append(got[key])
+                row["cache_bytes"].append(nbytes)
+                row["time_ratio"].append(got["seconds"] / max(full["seconds"][-1], 1e-12))
+                row["cache_fraction"].append(nbytes / max(full["cache_bytes"][-1], 1))
+                del stream, logits
+            del got
             tick(f"window {w + 1}/{len(offsets)}: {method} @ {label}")
         publish(block(w + 1))
     return block(len(offsets))

@@ -285,6 +285,18 @@ def generate(opts: dict, session, stream, question: str, mode: str, **policy) ->
     return answer
 
 
+def parse_cache_dtypes(text: str | None) -> list[str]:
+    """bench --cache-dtype: a comma-separated list of distinct CACHE_DTYPES."""
+    if text is None:
+        return []
+    names = [part.strip() for part in text.split(",")]
+    for name in names:
+        check_choice("cache_dtype", name, CACHE_DTYPES)
+    if len(set(names)) != len(names):
+        raise UsageError(f"invalid --cache-dtype '{text}': a dtype is listed twice")
+    return names
+
+
 def put(piece: str) -> None:
     """Part of a result on stdout, shown at once; like `echo`, control characters are shown, not obeyed."""
     sys.stdout.write(visible(piece, keep="\n\t"))
@@ -646,6 +658,10 @@ def bench(
                       ] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="Every read also measures its drift (estimated_kl "
                                            "per window; its cost counts in the read time).")] = False,
+    cache_dtypes: Annotated[str | None, typer.Option("--cache-dtype", help="Comma-separated dtypes (float32, "
+                                                     "float16, bfloat16, int8, int4): each read's cache is also "
+                                                     "measured as compress --cache-dtype stores it, with its bytes."
+                                                     )] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
@@ -670,6 +686,7 @@ def bench(
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct, max_kl=parse_tolerances(max_kl), estimate=estimate,
+        cache_dtypes=parse_cache_dtypes(cache_dtypes),
     )
     if out_path is not None:
         check_destination(out_path, "--out")

@@ -23,7 +23,8 @@ from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import (
-    QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, packed_from_padded, padded_from_packed, save_kvc,
+    QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, nbytes, packed_from_padded, padded_from_packed,
+    save_kvc,
 )
 from klevict_cli.quantized import EXACT, GROUP, Quantized, quantize_packed, quantized_layer_cache
 from klevict_cli.models import LoadedModel
@@ -342,11 +343,13 @@ class Session:
             ))
         return KVCache(caches)
 
-    def as_stored(self, stream: Stream, cache_dtype: str) -> Stream:
-        """`stream` as `compress --cache-dtype` writes it and `ask` loads it back (what the bench measures)."""
+    def as_stored(self, stream: Stream, cache_dtype: str) -> tuple[Stream, int]:
+        """`stream` as `compress --cache-dtype` writes it and `ask` loads it back, and the bytes its keys and values
+        take in the file (what the bench measures)."""
+        layers = packed_layers(stream.cache, cache_dtype)
         stored = stream.clone()
-        stored.cache = self.cache_of(packed_layers(stream.cache, cache_dtype))
-        return stored
+        stored.cache = self.cache_of(layers)
+        return stored, sum(nbytes(layer.keys) + nbytes(layer.values) for layer in layers)
 
 
 def packed_layers(cache: KVCache, cache_dtype: str | None = None) -> list[PackedLayer]:

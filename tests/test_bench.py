@@ -164,6 +164,22 @@ def test_bench_measures_tolerances_beside_budgets(session, document):
     assert "--max-kl: cache kept" in text and "max-kl 10" in text
 
 
+def test_bench_measures_each_stored_dtype_of_the_same_read(session, document):
+    """--cache-dtype: one read per budget, measured as each dtype stores it; float32 is the read itself, and fewer
+    bits take fewer bytes and move the model further."""
+    settings = BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["50%"], "task": "fidelity", "windows": 1,
+                                "cache_dtypes": ["float32", "int8", "int4"]})
+    plain = run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["50%"],
+                                                          "task": "fidelity", "windows": 1}))
+    rows = run_bench(session, document, settings)["fidelity"]["results"]["kl"]
+    assert list(rows) == ["50% float32", "50% int8", "50% int4"]
+    f32, i8, i4 = (rows[label]["per_window"] for label in rows)
+    assert f32["kl"] == pytest.approx(plain["fidelity"]["results"]["kl"]["50%"]["per_window"]["kl"], abs=1e-7)
+    assert f32["cache_bytes"][0] > 2.5 * i8["cache_bytes"][0] > 0 and i8["cache_bytes"][0] > i4["cache_bytes"][0]
+    assert f32["kept_entries"] == i8["kept_entries"] == i4["kept_entries"]
+    assert f32["kl"][0] <= i8["kl"][0] < i4["kl"][0]
+
+
 def test_render_prints_every_method_and_budget(result):
     console = Console(record=True, width=200)
     render(result, console)

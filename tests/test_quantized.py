@@ -151,7 +151,7 @@ def as_floats(stream):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_attention_over_codes_equals_attention_over_the_dequantized_cache(session, read, dtype):
     result, continuation = read
-    stored = session.as_stored(result.stream, dtype)
+    stored, _ = session.as_stored(result.stream, dtype)
     assert all(isinstance(layer, QuantizedLayerCache) for layer in stored.cache.layers)
     logits = continuation_logits(result.engine, stored.clone(), result.logits, continuation)
     reference = continuation_logits(result.engine, as_floats(stored), result.logits, continuation)
@@ -163,7 +163,7 @@ def test_int8_moves_the_model_much_less_than_int4(session, read):
     full = continuation_logits(result.engine, result.stream.clone(), result.logits, continuation)
     kl = {}
     for dtype in ("int8", "int4"):
-        stored = session.as_stored(result.stream, dtype)
+        stored, _ = session.as_stored(result.stream, dtype)
         logits = continuation_logits(result.engine, stored, result.logits, continuation)
         kl[dtype] = token_metrics(full, logits, torch.tensor(continuation))["kl"]
     assert kl["int8"] < 1e-3 and kl["int8"] < 0.1 * kl["int4"], kl
@@ -175,7 +175,7 @@ def test_the_file_round_trips_to_the_same_cache(session, read, tmp_path):
     path = tmp_path / "q.kvc"
     save_kvc(path, session.cache_file(result, "int4"))
     loaded, meta = session.load(path)
-    stored = session.as_stored(result.stream, "int4")
+    stored, _ = session.as_stored(result.stream, "int4")
     assert meta["cache_dtype"] == "int4" and meta["format_version"] == "2"
     for a, b in zip(loaded.cache.layers, stored.cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

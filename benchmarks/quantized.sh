@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The size-quality frontier of stored caches: kl's reading of 4,096-token windows of two public-domain texts at
+# 50/32/18/10/5 % kept, each cache measured as `compress --cache-dtype` stores it (float32, float16, int8, int4) and
+# `ask` loads it back: KL to the full cache on the 256 tokens that follow, and the bytes of its keys and values.
+# Equal bytes: 5 % of the float32 cache's bytes is float16 at 10 % kept, int8 at 18 % and int4 at 32 % (int8 and int4
+# spend 1/8 and 1/4 of a byte per element on steps and minima).
+# Usage: [WINDOWS=N] [TEXTS=moby,hamlet] benchmarks/quantized.sh MOBY_DICK.txt HAMLET.md
+set -euo pipefail
+moby=$1; hamlet=$2; texts=,${TEXTS:-moby,hamlet},
+here=$(dirname "$0"); out=$here/results
+for pair in "moby:$moby" "hamlet:$hamlet"; do
+  name=${pair%%:*}; text=${pair#*:}
+  [[ $texts == *,$name,* ]] || continue
+  klevict bench "$text" --methods kl --budgets 50%,32%,18%,10%,5% --cache-dtype float32,float16,int8,int4 \
+    --windows "${WINDOWS:-4}" --context 4096 --seed 1 --quiet --resume --out "$out/quantized-$name-4096.json" > /dev/null
+done
