@@ -71,14 +71,17 @@ def _exact(x: torch.Tensor, valid: torch.Tensor, exact: int) -> torch.Tensor:
     return torch.cat((rows, rows.new_zeros(x.shape[0], exact - rows.shape[1], x.shape[2])), dim=1).to(SCALE_DTYPE)
 
 
-def dequantize_keys(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """(H, C, Dk) keys of padded codes."""
-    return _restore_exact(dequantize(q.codes, q.steps, q.minima, q.bits, q.group, dim=-2, dtype=dtype), q)
+def dequantize_keys(q: Quantized, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(H, C, Dk) keys where `valid` (H, C) of packed codes (`quantize_packed`), zeros elsewhere but in the groups'
+    range."""
+    codes = pad_rows(q.codes, valid)
+    return _restore_exact(dequantize(codes, q.steps, q.minima, q.bits, q.group, dim=-2, dtype=dtype), q)
 
 
-def dequantize_values(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """(H, C, Dv) values of padded codes."""
-    return _restore_exact(dequantize(q.codes, q.steps, q.minima, q.bits, q.group, dim=-1, dtype=dtype), q)
+def dequantize_values(q: Quantized, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(H, C, Dv) values where `valid` (H, C) of packed codes, zeros elsewhere."""
+    values = dequantize(q.codes, q.steps, q.minima, q.bits, q.group, dim=-1, dtype=dtype)
+    return _restore_exact(pad_rows(values, valid), q)
 
 
 def _restore_exact(x: torch.Tensor, q: Quantized) -> torch.Tensor:
@@ -88,13 +91,15 @@ def _restore_exact(x: torch.Tensor, q: Quantized) -> torch.Tensor:
 
 
 class QuantizedLayerCache(LayerCache):
-    """A layer whose first `width` columns (the loaded entries) are held as codes and dequantized on every read of
-    `keys` / `values` — once per layer and forward, by the attention — while appended entries are stored as floats.
-    An eviction among the loaded entries (a long answer kept within the budget) turns the layer into floats first:
-    a kept entry's key group may lose its other members."""
+    """A layer whose first `width` columns (the loaded entries) are held as the file holds them — packed codes — and
+    dequantized on every read of `keys` / `values` (once per layer and forward, by the attention), while appended
+    entries are stored as floats. An eviction among the loaded entries (a long answer kept within the budget) turns
+    the layer into floats first: a kept entry's key group may lose its other members."""
 
     def __init__(self, keys: Quantized, values: Quantized, positions, rope_positions, valid, window,
                  dtype: torch.dtype):
+        """keys and values as `quantize_packed` makes them; positions, rope_positions and valid (H, C) padded, each
+        head's entries first."""
         heads, width = valid.shape
         self.frozen: tuple[Quantized, Quantized] | None = (keys, values)
         self.dtype, self.width = dtype, width
@@ -112,7 +117,7 @@ class QuantizedLayerCache(LayerCache):
             return tail
         q = self.frozen[0 if name == "keys" else 1]
         decode = dequantize_keys if name == "keys" else dequantize_values
-        return torch.cat((decode(q, self.dtype), tail), dim=1)
+        return torch.cat((decode(q, self._storage["valid"][:, : self.width], self.dtype), tail), dim=1)
 
     def _set_field(self, name: str, value: torch.Tensor) -> None:
         if name in ("keys", "values"):  # only the float columns after the quantized ones are stored
@@ -171,11 +176,9 @@ def quantize_packed(layer: PackedLayer, bits: int, group: int = GROUP) -> Packed
 
 
 def quantized_layer_cache(layer: PackedLayer, window: int | None, device, dtype: torch.dtype) -> QuantizedLayerCache:
-    """A loaded quantized layer in the engine's padded layout, still quantized (dequantized as it is attended)."""
+    """A loaded quantized layer, its codes as the file holds them (no copy on the CPU)."""
     valid = padding_mask(layer.lengths).to(device)
-    keys = replace(layer.keys, codes=pad_rows(layer.keys.codes.to(device), valid)).to(device)
-    values = replace(layer.values, **{part: pad_rows(getattr(layer.values, part).to(device), valid)
-                                      for part in ("codes", "steps", "minima")}).to(device)
     positions, rope_positions = (pad_rows(rows.to(device=device, dtype=torch.long), valid, -1)
                                  for rows in (layer.positions, layer.rope_positions))
-    return QuantizedLayerCache(keys, values, positions, rope_positions, valid, window, dtype)
+    return QuantizedLayerCache(layer.keys.to(device), layer.values.to(device), positions, rope_positions, valid,
+                               window, dtype)

@@ -9,12 +9,10 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import continuation_logits, token_metrics
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
-from klevict_cli.kvc import load_kvc, save_kvc
+from klevict_cli.kvc import load_kvc, packed_from_padded, save_kvc
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
-from klevict_cli.quantized import (
-    QuantizedLayerCache, dequantize_keys, dequantize_values, quantize_keys, quantize_values,
-)
+from klevict_cli.quantized import QuantizedLayerCache, quantize_packed, quantized_layer_cache
 from klevict_cli.session import ReadSettings, Session
 from klevict_kernels.quantize import dequantize, pack_int4, quantize, unpack_int4
 from tests.conftest import make_tokenizer, tiny_llama
@@ -77,14 +75,14 @@ def test_a_constant_group_is_exact():
 
 # ---- the quantized layer -------------------------------------------------------------------------------------------
 def quantized_layer(bits=4, heads=2, width=40, dim=8, short=30):
+    """A loaded quantized layer whose second head holds fewer entries, and the float entries it was made of."""
     torch.manual_seed(3)
     keys, values = torch.randn(heads, width, dim), torch.randn(heads, width, dim)
     valid = torch.ones(heads, width, dtype=torch.bool)
     valid[1, short:] = False
     positions = torch.arange(width).expand(heads, width).masked_fill(~valid, -1)
-    layer = QuantizedLayerCache(quantize_keys(keys, valid, bits), quantize_values(values, valid, bits), positions,
-                                positions.clone(), valid, None, torch.float32)
-    return layer, keys, values, valid
+    packed = quantize_packed(packed_from_padded(keys, values, positions, positions, valid), bits)
+    return quantized_layer_cache(packed, None, "cpu", torch.float32), keys, values, valid
 
 
 def test_a_quantized_layer_reads_its_codes_and_keeps_the_sink_exact():
