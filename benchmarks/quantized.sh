@@ -4,13 +4,22 @@
 # `ask` loads it back: KL to the full cache on the 256 tokens that follow, and the bytes of its keys and values.
 # Equal bytes: 5 % of the float32 cache's bytes is float16 at 10 % kept, int8 at 18 % and int4 at 32 % (int8 and int4
 # spend 1/8 and 1/4 of a byte per element on steps and minima).
-# Usage: [WINDOWS=N] [TEXTS=moby,hamlet] benchmarks/quantized.sh MOBY_DICK.txt HAMLET.md
+# Then, on the same windows, `compress --max-bytes` at 3/5/10 % of the float32 cache's bytes: the dtype it chooses,
+# and the KL of the cache as stored (beside float32 at 10 % kept, the reference at 10 % of the bytes).
+# Usage: [WINDOWS=N] [TEXTS=moby,hamlet] [PARTS=frontier,bytes] benchmarks/quantized.sh MOBY_DICK.txt HAMLET.md
 set -euo pipefail
-moby=$1; hamlet=$2; texts=,${TEXTS:-moby,hamlet},
+moby=$1; hamlet=$2; texts=,${TEXTS:-moby,hamlet},; parts=,${PARTS:-frontier,bytes},
 here=$(dirname "$0"); out=$here/results
 for pair in "moby:$moby" "hamlet:$hamlet"; do
   name=${pair%%:*}; text=${pair#*:}
   [[ $texts == *,$name,* ]] || continue
-  klevict bench "$text" --methods kl --budgets 50%,32%,18%,10%,5% --cache-dtype float32,float16,int8,int4 \
-    --windows "${WINDOWS:-4}" --context 4096 --seed 1 --quiet --resume --out "$out/quantized-$name-4096.json" > /dev/null
+  common=(--methods kl --windows "${WINDOWS:-4}" --context 4096 --seed 1 --quiet --resume)
+  if [[ $parts == *,frontier,* ]]; then
+    klevict bench "$text" "${common[@]}" --budgets 50%,32%,18%,10%,5% --cache-dtype float32,float16,int8,int4 \
+      --out "$out/quantized-$name-4096.json" > /dev/null
+  fi
+  if [[ $parts == *,bytes,* ]]; then
+    klevict bench "$text" "${common[@]}" --budgets 10% --max-bytes 3%,5%,10% \
+      --out "$out/quantized-bytes-$name-4096.json" > /dev/null
+  fi
 done

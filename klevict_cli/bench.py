@@ -31,6 +31,7 @@ import random
 import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -43,7 +44,7 @@ from rich.table import Table
 from klevict_kernels.kl import token_kl
 from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
-from klevict_cli.options import Budget, parse_budget
+from klevict_cli.options import Budget, parse_budget, parse_byte_limit
 from klevict_cli.policies import make_policy
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
@@ -78,9 +79,11 @@ class BenchSettings:
     reconstruct: bool = False  # kl: reconstruction probes too, as `compress` uses
     max_kl: list[float] = field(default_factory=list)  # tolerances (`--max-kl`), each measured beside the budgets
     estimate: bool = False  # every read measures its drift (`estimated_kl`; tolerances always do), at its cost
-    # fidelity: each read's cache also measured as `compress --cache-dtype` stores it (labels "<budget> <dtype>";
-    # cache_bytes are then the stored keys and values)
+    # fidelity: each read's cache measured as `compress --cache-dtype` stores it and `ask` loads it, in each of these
+    # dtypes (rows "<method> <dtype>"; cache_bytes are then the stored keys and values)
     cache_dtypes: list[str] = field(default_factory=list)
+    # byte limits (`compress --max-bytes`: "40M", "5%"), each measured beside the budgets as it stores the cache
+    max_bytes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -251,8 +254,12 @@ class _Counter:
             self.progress(self.done, self.total, label)
 
 
-def stored_label(label: str, cache_dtype: str | None) -> str:
-    return label if cache_dtype is None else f"{label} {cache_dtype}"
+def stored_row(method: str, cache_dtype: str | None) -> str:
+    return method if cache_dtype is None else f"{method} {cache_dtype}"
+
+
+def byte_label(limit: str) -> str:
+    return f"max-bytes {limit}"
 
 
 def tolerance_label(max_kl: float) -> str:
@@ -268,9 +275,10 @@ def _reads(settings: BenchSettings, budgets: dict[str, int | None]):
                         probe_window=settings.probe_window, position_mode="original", seed=settings.seed,
                         working=settings.working, reconstruct=settings.reconstruct,
                         measure_drift=settings.estimate)
-    tolerances = {tolerance_label(t): t for t in settings.max_kl}
-    return full, {(m, label): replace(full, method=m, budget=Budget(tokens=tokens)) if label not in tolerances
-                  else replace(full, method=m, max_kl=tolerances[label])
+    sizes = {tolerance_label(t): {"max_kl": t} for t in settings.max_kl}
+    sizes.update({byte_label(b): {"max_bytes": parse_byte_limit(b)} for b in settings.max_bytes})
+    return full, {(m, label): replace(full, method=m, **(sizes[label] if label in sizes
+                                                         else {"budget": Budget(tokens=tokens)}))
                   for m in settings.methods for label, tokens in budgets.items()}
 
 
@@ -316,14 +324,14 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     prefix = session.frame.prefix_ids(session.lm.tokenizer)  # the chat frame's opening, read before each window
     body = settings.context - len(prefix)
     offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
-    stored_as = settings.cache_dtypes or [None]  # None: the cache as read
-    labels = [stored_label(label, dtype) for label in dict.fromkeys(label for _, label in reads) for dtype in stored_as]
+    stored_as = settings.cache_dtypes or [None]  # None: the cache as read (or as a byte limit chose to store it)
+    labels = list(dict.fromkeys(label for _, label in reads))
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
-    results = {m: {label: {k: [] for k in ("kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes",
-                                             "cache_fraction", "peak_cache_bytes", "peak_device_bytes",
-                                             "kept_entries", "estimated_kl")}
-                   for label in labels} for m in settings.methods}
+    results = {stored_row(m, dtype): {label: {k: [] for k in (
+        "kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes",
+        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype")} for label in labels}
+        for m in settings.methods for dtype in stored_as}
     stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
     done = carry_over(previous, full, results, offsets, "offsets")
 
@@ -358,10 +366,12 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
         for (method, label), read in reads.items():
             got = timed_read(session, window, read, len(cont))  # a fresh engine: the same seeded state each window
             for dtype in stored_as:
-                stream, nbytes = (got["stream"].clone(), got["cache_bytes"]) if dtype is None \
-                    else session.as_stored(got["stream"], dtype)
+                chosen = dtype or got["stream"].stored_as
+                stream, nbytes = (got["stream"].clone(), got["cache_bytes"]) if chosen is None \
+                    else session.as_stored(got["stream"], chosen)
                 logits = continuation_logits(got["engine"], stream, got["logits"], cont)
-                row = results[method][stored_label(label, dtype)]
+                row = results[stored_row(method, dtype)][label]
+                row["cache_dtype"].append(chosen)
                 for key, value in token_metrics(ref_logits, logits, targets).items():
                     row[key].append(value)
                 for key in ("seconds", "peak_cache_bytes", "peak_device_bytes", "kept_entries", "estimated_kl"):
@@ -476,6 +486,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     budgets: dict[str, int | None] = {str(b): min(b.resolve(settings.context), settings.context)
                                       for b in map(parse_budget, settings.budgets)}
     budgets.update({tolerance_label(t): None for t in settings.max_kl})  # the tolerance decides the size
+    budgets.update({byte_label(b): None for b in settings.max_bytes})  # the dtype chosen decides it
     if settings.context + settings.continuation > session.adapter.max_positions:
         raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
                          f"{session.adapter.max_positions} positions")
@@ -619,11 +630,15 @@ def render(result: dict, console: Console) -> None:
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
                       f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
-        tolerances = [label for label in labels if settings["budget_tokens"][label] is None]
+        tolerances = [label for label in labels if label.startswith(tolerance_label(0).split()[0])]
         if tolerances:
             _method_table(console, fid, tolerances, _tolerance_cell,
                           "--max-kl: cache kept · measured KL / tolerance, median over windows (range) · windows "
                           "within 1.5× of it")
+        limits = [label for label in labels if label.startswith(byte_label("").strip())]
+        if limits:
+            _method_table(console, fid, limits, _bytes_cell,
+                          "--max-bytes: bytes kept (of the full cache's) · dtypes chosen (windows)")
     for task, what in (("needle", "needle retrieval (planted facts)"), ("recall", "recall (details stated once)")):
         block = result.get(task)
         if block is None:
@@ -641,6 +656,12 @@ def _tolerance_cell(row: dict, label: str) -> str:
     within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
     return (f"{100 * row['cache_fraction']['mean']:.1f} % · {statistics.median(ratios):.2f}× "
             f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within}/{len(ratios)}")
+
+
+def _bytes_cell(row: dict, label: str) -> str:
+    chosen = Counter(row["per_window"]["cache_dtype"])
+    return (f"{100 * row['cache_fraction']['mean']:.1f} % · "
+            + ", ".join(f"{dtype} ({n})" for dtype, n in chosen.most_common()))
 
 
 def _is(value, best) -> bool:

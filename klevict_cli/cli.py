@@ -26,7 +26,7 @@ from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config,
-    merge_options, resolve_device, resolve_dtype,
+    merge_options, parse_byte_limit, resolve_device, resolve_dtype,
 )
 from klevict_cli.reading import check_session, read_options, read_settings, session_for
 
@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "model": None,
     "budget": None,  # reading.DEFAULT_BUDGET, unless --max-kl decides the size (then --budget is only a cap)
     "max_kl": None,
+    "max_bytes": None,  # compress: keys and values within this many bytes, the dtype chosen (--cache-dtype: that one)
     "method": "kl",
     "chunk_size": 512,
     "device": "cpu",
@@ -215,6 +216,12 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     check_choice("method", opts["method"], METHOD_NAMES)
     if opts.get("max_kl") is not None:
         check_real("max_kl", float(opts["max_kl"]), float(opts["max_kl"]) > 0, "a positive number of nats per token")
+    if opts.get("max_bytes") is not None:
+        parse_byte_limit(str(opts["max_bytes"]))
+        if opts.get("max_kl") is not None:
+            raise UsageError("--max-bytes and --max-kl each choose the cache's size: give one of them")
+        if opts["method"] == "none":
+            raise UsageError("--max-bytes needs an eviction method; --method none keeps every entry")
     top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
     check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
@@ -297,6 +304,18 @@ def parse_cache_dtypes(text: str | None) -> list[str]:
     return names
 
 
+def parse_byte_limits(text: str | None) -> list[str]:
+    """bench --max-bytes: a comma-separated list of distinct byte limits, as given."""
+    if text is None:
+        return []
+    limits = [part.strip() for part in text.split(",")]
+    for limit in limits:
+        parse_byte_limit(limit)
+    if len(set(limits)) != len(limits):
+        raise UsageError(f"invalid --max-bytes '{text}': a limit is listed twice")
+    return limits
+
+
 def put(piece: str) -> None:
     """Part of a result on stdout, shown at once; like `echo`, control characters are shown, not obeyed."""
     sys.stdout.write(visible(piece, keep="\n\t"))
@@ -313,6 +332,8 @@ def read_summary(result) -> dict:
         "method": result.settings.method,
         "budget": str(result.settings.budget),
         "max_kl": result.settings.max_kl,
+        "max_bytes": str(result.settings.max_bytes) if result.settings.max_bytes is not None else None,
+        "cache_dtype": result.stream.stored_as,  # what the cache is to be stored as, if the read was told
         "budget_tokens": result.plan.budget,
         "position_mode": result.plan.mode,
         "kept_entries": kept,
@@ -382,6 +403,10 @@ def compress(
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16, "
                                                     "bfloat16, int8 or int4 (per-group codes; default: the model's "
                                                     "dtype).")] = None,
+    max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Keep keys and values within this size (40M,"
+                                                  " or 5% of the full cache's), choosing float16, int8 or int4 and "
+                                                  "the entries each fits by the drift their cache gives; with "
+                                                  "--cache-dtype, that dtype.")] = None,
     max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
@@ -391,7 +416,7 @@ def compress(
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
-                           cache_dtype=cache_dtype, json=json_out, quiet=quiet, output=output,
+                           cache_dtype=cache_dtype, max_bytes=max_bytes, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct,
                            max_kl=max_kl, estimate=estimate)
     check_choice("engine", engine, ("local", "ray"))
@@ -418,8 +443,9 @@ def compress(
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
     summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
-            f" frame -> {result.plan.budget or 'all'} entries per head ({result.settings.method},"
+            f" frame -> {result.plan.budget or 'all'} entries per head{stored} ({result.settings.method},"
             f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
     if opts["json"]:
         emit_json(summary)
@@ -659,9 +685,12 @@ def bench(
     estimate: Annotated[bool, typer.Option("--estimate", help="Every read also measures its drift (estimated_kl "
                                            "per window; its cost counts in the read time).")] = False,
     cache_dtypes: Annotated[str | None, typer.Option("--cache-dtype", help="Comma-separated dtypes (float32, "
-                                                     "float16, bfloat16, int8, int4): each read's cache is also "
-                                                     "measured as compress --cache-dtype stores it, with its bytes."
-                                                     )] = None,
+                                                     "float16, bfloat16, int8, int4): each read's cache is measured "
+                                                     "as compress --cache-dtype stores it (a row per method and "
+                                                     "dtype), with its bytes.")] = None,
+    max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Comma-separated byte limits (5%,40M), each "
+                                                  "measured beside the budgets as compress --max-bytes stores the "
+                                                  "cache: the dtype chosen, its bytes and KL.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
@@ -686,8 +715,10 @@ def bench(
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
         probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct, max_kl=parse_tolerances(max_kl), estimate=estimate,
-        cache_dtypes=parse_cache_dtypes(cache_dtypes),
+        cache_dtypes=parse_cache_dtypes(cache_dtypes), max_bytes=parse_byte_limits(max_bytes),
     )
+    if settings.cache_dtypes and settings.max_bytes:
+        raise UsageError("--max-bytes chooses the dtype: measure it in a run without --cache-dtype")
     if out_path is not None:
         check_destination(out_path, "--out")
     saved = load_saved_bench(out_path) if resume else None

@@ -22,6 +22,7 @@ from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
+from klevict_cli.quantized import stored_cache
 from klevict_cli.sampling import penalise_repeats, sample
 from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
@@ -48,6 +49,7 @@ class Stream:
     policy_state: dict[str, str] = field(default_factory=dict)  # what the policy learnt reading it (kl: calibration)
     reconstructed: int = 0  # positions before this were judged by reconstruction probes (Engine.reconstruct)
     drift: dict[str, float] | None = None  # the read's last eviction, measured on its drafts (Engine.measure_drift)
+    stored_as: str | None = None  # the dtype the cache is to be stored in (Engine's `storage`), when one is set
 
     @property
     def next_position(self) -> int:
@@ -55,7 +57,7 @@ class Stream:
 
     def clone(self) -> Stream:
         return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state),
-                      self.reconstructed, None if self.drift is None else dict(self.drift))
+                      self.reconstructed, None if self.drift is None else dict(self.drift), self.stored_as)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class Engine:
         reconstruction: Reconstruction | None = None,
         measure_drift: bool = False,
         max_kl: float | None = None,
+        storage: dict[str, int | None] | None = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -170,7 +173,12 @@ class Engine:
         # With `max_kl`, the last eviction keeps the smallest cache (within `budget`, if any) whose measured drift
         # is at most that many nats per token (`_budget_within`); nothing is evicted before it unless `budget` says
         self.max_kl = max_kl if policy.evicts else None
-        measure_drift = measure_drift or max_kl is not None
+        # `storage`: the dtype the cache will be stored in (the drift is measured on the cache as stored), or a choice
+        # of dtypes, each with the budget a byte limit gives it: the read's last eviction keeps the one whose stored
+        # cache drifts least (`_storage_within`)
+        self.storage = dict(storage or {})
+        self.chooses_storage = len(self.storage) > 1 and policy.evicts
+        measure_drift = measure_drift or max_kl is not None or self.chooses_storage
         self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
@@ -184,7 +192,9 @@ class Engine:
     def new_stream(self) -> Stream:
         """An empty stream; the policy forgets what it learnt on the previous one (e.g. kl's calibration)."""
         self.policy.reset()
-        return Stream(KVCache.empty(self.shapes, self.device, self.dtype))
+        # stored as the storage says; where it offers a choice, the first (most bits) unless the last eviction
+        # chooses another
+        return Stream(KVCache.empty(self.shapes, self.device, self.dtype), stored_as=next(iter(self.storage), None))
 
     # ---- one forward ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -249,7 +259,7 @@ class Engine:
                 else:
                     self.evict(stream, ctx, logits, recent, final=final, drafted=drafted)
                 if drafted is not None:
-                    stream.drift = self.measure_drift(stream, drafted)
+                    stream.drift = self.measure_drift(self.as_stored(stream), drafted)
             elif evict:
                 self.trim_windows(stream)
             if progress is not None:
@@ -262,7 +272,7 @@ class Engine:
     def draft_count(self, read: int) -> int:
         """How many look-ahead drafts probe the read's last eviction, once `read` tokens are read (the policy's
         choice, from whether the document is re-read and what part of it the budget keeps)."""
-        if not self.policy.needs_probes or (self.budget is None and self.max_kl is None):
+        if not self.policy.needs_probes or (self.budget is None and self.max_kl is None and not self.chooses_storage):
             return 0
         return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read) or 1.0)
 
@@ -289,8 +299,8 @@ class Engine:
         """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than the budget (the
         read's last chunk, `upcoming` == 0) or could not take the next chunk of `upcoming` tokens within the
         working limit. Sliding-window layers are trimmed after every chunk regardless, without scoring."""
-        if self.max_kl is not None and not upcoming:
-            return True  # the last eviction chooses by the tolerance, whatever is held
+        if (self.max_kl is not None or self.chooses_storage) and not upcoming:
+            return True  # the last eviction chooses by the tolerance, or the storage, whatever is held
         if self.budget is None:
             return False
         held = self.held_per_head(stream) + incoming
@@ -383,10 +393,11 @@ class Engine:
                      drafted)
 
     def within_tolerance(self, step: EvictionStep) -> EvictionStep:
-        """The read's last eviction under `max_kl` is scored for no budget: the budget is what the tolerance then
-        allows (`_budget_within`), and what a policy keeps at a budget beyond its scores (`Policy.at_budget`) is
-        added for each one tried."""
-        return replace(step, budget=None, kept_fraction=None) if step.final and self.max_kl is not None else step
+        """The read's last eviction under `max_kl` or a storage choice is scored for no budget: the budget is what
+        the tolerance then allows (`_budget_within`) or the storage chosen gets (`_storage_within`), and what a
+        policy keeps at a budget beyond its scores (`Policy.at_budget`) is added for each one tried."""
+        choosing = self.max_kl is not None or self.chooses_storage
+        return replace(step, budget=None, kept_fraction=None) if step.final and choosing else step
 
     def _choose(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                 budget: int | None, keep: range, targets: dict | None, stack: LayerStack | None,
@@ -394,6 +405,9 @@ class Engine:
         """`_keep_best`, at the budget the tolerance allows where the read's last eviction is under `max_kl`."""
         if step.final and self.max_kl is not None and drafted is not None:
             budget = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
+            scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
+        elif step.final and self.chooses_storage and drafted is not None:
+            stream.stored_as, budget = self._storage_within(stream, step, scores, recent, keep, targets, drafted)
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         self._keep_best(stream, scores, recent, budget, keep, targets, stack)
 
@@ -430,6 +444,30 @@ class Engine:
             else:
                 least = middle
         return most
+
+    def _storage_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
+                        keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int]:
+        """Of the storage dtypes and the budget each gets, the one whose cache, evicted to that budget and stored,
+        drifts least on the sampled continuation (the first, with more bits, on a tie): fewer entries against
+        coarser ones, judged by the KL the stored cache gives, quantization error included."""
+        best = None
+        for dtype, budget in self.storage.items():
+            trial = stream.clone()
+            at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
+            self._keep_best(trial, at_budget, recent, budget, keep, fit)
+            trial.stored_as = dtype
+            drift = self.measure_drift(self.as_stored(trial), drafted)["kl"]
+            if best is None or drift < best[0]:
+                best = (drift, dtype, budget)
+        return best[1], best[2]
+
+    def as_stored(self, stream: Stream) -> Stream:
+        """`stream` as its cache will be stored (`stored_as`) and read back; itself when it is stored as it is."""
+        if stream.stored_as is None:
+            return stream
+        stored = stream.clone()
+        stored.cache, _ = stored_cache(stream.cache, stream.stored_as, self.device, self.dtype)
+        return stored
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
         """A continuation sampled for measuring the read's last eviction (`measure_drift`), token by token from the

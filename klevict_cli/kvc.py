@@ -425,9 +425,6 @@ def _check_layout(path: Path, metadata: dict[str, str], layout: dict[str, _Entry
         heads = require(prefix + "lengths", ("I32",), 1)[0]
         if len(counts) != 1:
             raise _error(path, f"layer {i}: keys, values and positions disagree on the number of entries")
-        if quantization is not None and layout[prefix + "keys.steps"].shape[0] != heads:
-            raise _error(path, f"layer {i}: the key steps are for {layout[prefix + 'keys.steps'].shape[0]} heads,"
-                               f" the layer has {heads}")
     declared = metadata.get("cache_dtype")
     if cache_dtype and declared is not None and declared.removeprefix("torch.") != _dtype_name(cache_dtype):
         found = _dtype_name(cache_dtype)
@@ -469,15 +466,15 @@ def _check_codes_layout(path: Path, i: int, require, bits: int, group: int, exac
     the entry counts they state."""
     counts = set()
     heads = {require(f"layers.{i}.lengths", ("I32",), 1)[0]}
-    for field, steps_ndim in (("keys", 3), ("values", 2)):
+    for field in ("keys", "values"):
         name = f"layers.{i}.{field}"
         codes = require(name + ".codes", ("U8",), 2)
-        steps = require(name + ".steps", ("F16",), steps_ndim)
-        if require(name + ".minima", ("F16",), steps_ndim) != steps:
+        steps = require(name + ".steps", ("F16",), 2)
+        if require(name + ".minima", ("F16",), 2) != steps:
             raise _error(path, f"layer {i}: {field} steps and minima differ in shape")
         width = codes[1] * 8 // bits
-        if field == "keys" and steps[2] != width:
-            raise _error(path, f"layer {i}: key codes hold {width} channels but their steps {steps[2]}")
+        if field == "keys" and steps[1] != width:
+            raise _error(path, f"layer {i}: key codes hold {width} channels but their steps {steps[1]}")
         if field == "values" and (steps[0] != codes[0] or steps[1] != -(-width // group)):
             raise _error(path, f"layer {i}: value steps {list(steps)} do not fit {codes[0]} entries of {width}"
                                f" channels in groups of {group}")
@@ -515,7 +512,7 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
             total = int(lengths.sum())
             raise _error(path, f"layer {i}: head lengths sum to {total} but the layer holds {entries} entries")
         if not _is_float(layer.keys):
-            _check_codes(path, i, layer.keys, layer.values, int(lengths.max()) if lengths.numel() else 0)
+            _check_codes(path, i, layer.keys, layer.values, lengths)
         if entries == 0:
             continue
         if _is_float(layer.keys):
@@ -533,15 +530,15 @@ def _check_contents(path: Path, layers: list[PackedLayer], tokens: torch.Tensor)
             raise _error(path, f"layer {i}: positions are not strictly increasing within a head")
 
 
-def _check_codes(path: Path, i: int, keys: Quantized, values: Quantized, longest: int) -> None:
-    """Steps finite and positive, minima finite, every value the codes can stand for within MAX_MAGNITUDE, and one
-    key group for every `group` entries of the fullest head."""
+def _check_codes(path: Path, i: int, keys: Quantized, values: Quantized, lengths: torch.Tensor) -> None:
+    """One key group for every `group` entries of each head (a partial one last); steps finite and positive, minima
+    finite, every value the codes can stand for within MAX_MAGNITUDE, exact entries finite and within it."""
     import torch
 
-    groups = -(-longest // keys.group)
-    if keys.steps.shape[1] != groups:
-        raise _error(path, f"layer {i}: {keys.steps.shape[1]} key groups, but {longest} entries in groups of"
-                           f" {keys.group} make {groups}")
+    groups = int((-(-lengths // keys.group)).sum())
+    if keys.steps.shape[0] != groups:
+        raise _error(path, f"layer {i}: {keys.steps.shape[0]} key groups, but heads of {lengths.tolist()[:8]}"
+                           f" entries in groups of {keys.group} make {groups}")
     for q in (keys, values):
         exact = q.exact.float().abs()
         if not (torch.isfinite(exact).all() and (exact <= MAX_MAGNITUDE).all()):

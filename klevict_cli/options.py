@@ -31,6 +31,7 @@ OPTION_TYPES: dict[str, type] = {
     "model": str,
     "budget": str,
     "max_kl": float,
+    "max_bytes": str,
     "estimate": bool,
     "method": str,
     "chunk_size": int,
@@ -263,6 +264,33 @@ def parse_size(name: str, text: str) -> int:
     if not 0 < size <= _SIZE_UNITS["t"] * 2**20:  # an exabyte: also refuses a number too long to be a float (inf)
         raise UsageError(f"invalid --{_flag(name)} '{text}'; use a size like 512M, 4G or 1.5GiB")
     return int(size)
+
+
+@dataclass(frozen=True)
+class ByteLimit:
+    """What a cache's keys and values may take: a size in bytes, or a share of the full cache's (every token read,
+    in the model's dtype)."""
+
+    size: int | None = None
+    share: float | None = None
+
+    def resolve(self, full_bytes: int) -> int:
+        return self.size if self.size is not None else int(self.share * full_bytes)
+
+    def __str__(self) -> str:
+        return format_size(self.size) if self.size is not None else f"{self.share * 100:.9f}".rstrip("0").rstrip(".") + "%"
+
+
+def parse_byte_limit(text: str) -> ByteLimit:
+    """`--max-bytes`: a size ('40M', '1.5GiB') or a share of the full cache ('5%')."""
+    value = str(text).strip()
+    if value.endswith("%"):
+        number = value[:-1].strip()
+        share = float(number) / 100 if re.fullmatch(_NUMBER, number) else float("nan")
+        if not (math.isfinite(share) and 0 < share <= 1):
+            raise UsageError(f"invalid --max-bytes '{text}'; a share of the full cache is in (0, 100]%")
+        return ByteLimit(share=share)
+    return ByteLimit(size=parse_size("max_bytes", value))
 
 
 def parse_working_limit(text: str | None) -> Budget | float | None:

@@ -13,23 +13,28 @@ keys and values when it reads them, and entries appended later (a question, an a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from klevict_cli.cache import LayerCache
-from klevict_cli.kvc import PackedLayer, pad_rows, padding_mask
+from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.kvc import (
+    QUANTIZED_BITS, PackedLayer, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
+)
 from klevict_kernels.quantize import SCALE_DTYPE, dequantize, quantize
 
 GROUP = 32  # entries per key group, channels per value group
+STORAGE_CHOICES = ("float16", "int8", "int4")  # what `--max-bytes` chooses from, most bits first
 EXACT = 1  # each head's first kept entries (the attention sink), kept in float16 and out of their key group's range
 
 
 @dataclass
 class Quantized:
     """Per-group codes: x ≈ minima + codes · steps (kernels/quantize.py); int4 codes two to a byte along the
-    channels. Keys: codes (H, C, ·) or packed (N, ·), steps and minima (H, groups of entries, Dk); values: codes,
-    steps and minima (H, C, ·) or (N, ·), one step per group of channels."""
+    channels. As stored (`quantize_packed`): keys' codes (N, ·) packed head after head and their steps and minima
+    (groups, Dk), each head's groups of entries after the previous head's; values' codes, steps and minima (N, ·),
+    one step per group of channels. (`quantize_keys` / `quantize_values` give the padded (H, C, ·) form.)"""
 
     codes: torch.Tensor  # uint8
     steps: torch.Tensor  # float16
@@ -72,10 +77,18 @@ def _exact(x: torch.Tensor, valid: torch.Tensor, exact: int) -> torch.Tensor:
 
 
 def dequantize_keys(q: Quantized, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(H, C, Dk) keys where `valid` (H, C) of packed codes (`quantize_packed`), zeros elsewhere but in the groups'
-    range."""
-    codes = pad_rows(q.codes, valid)
-    return _restore_exact(dequantize(codes, q.steps, q.minima, q.bits, q.group, dim=-2, dtype=dtype), q)
+    """(H, C, Dk) keys where `valid` (H, C), each head's entries first, of packed codes and groups
+    (`quantize_packed`); elsewhere some value in a group's range."""
+    groups = group_mask(valid, q.group)
+    steps, minima = pad_rows(q.steps, groups), pad_rows(q.minima, groups)
+    keys = dequantize(pad_rows(q.codes, valid), steps, minima, q.bits, q.group, dim=-2, dtype=dtype)
+    return _restore_exact(keys, q)
+
+
+def group_mask(valid: torch.Tensor, group: int) -> torch.Tensor:
+    """(H, ceil(C / group)): the key groups each head's valid entries (first in its row) fill, a partial one last."""
+    lengths = valid.sum(dim=1)
+    return padding_mask(-(-lengths // group), capacity=-(-valid.shape[1] // group))
 
 
 def dequantize_values(q: Quantized, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -170,15 +183,63 @@ def quantize_packed(layer: PackedLayer, bits: int, group: int = GROUP) -> Packed
     valid = padding_mask(layer.lengths)
     keys = quantize_keys(pad_rows(layer.keys, valid), valid, bits, group)
     values = quantize_values(pad_rows(layer.values, valid), valid, bits, group)
-    return replace(layer, keys=replace(keys, codes=keys.codes[valid]),
+    groups = group_mask(valid, group)
+    return replace(layer, keys=replace(keys, codes=keys.codes[valid], steps=keys.steps[groups],
+                                       minima=keys.minima[groups]),
                    values=replace(values, codes=values.codes[valid], steps=values.steps[valid],
                                   minima=values.minima[valid]))
 
 
-def quantized_layer_cache(layer: PackedLayer, window: int | None, device, dtype: torch.dtype) -> QuantizedLayerCache:
-    """A loaded quantized layer, its codes as the file holds them (no copy on the CPU)."""
+def layer_cache(layer: PackedLayer, window: int | None, device, dtype: torch.dtype) -> LayerCache:
+    """A layer as the file stores it, as the engine's cache in `dtype` on `device`: float keys and values padded
+    and cast, codes kept as the file holds them (no copy on the CPU) in a `QuantizedLayerCache`."""
+    if not isinstance(layer.keys, Quantized):
+        keys, values, positions, rope_positions, valid = padded_from_packed(layer)
+        return LayerCache(keys.to(device, dtype), values.to(device, dtype), positions.long().to(device),
+                          rope_positions.long().to(device), valid.to(device), window)
     valid = padding_mask(layer.lengths).to(device)
     positions, rope_positions = (pad_rows(rows.to(device=device, dtype=torch.long), valid, -1)
                                  for rows in (layer.positions, layer.rope_positions))
     return QuantizedLayerCache(layer.keys.to(device), layer.values.to(device), positions, rope_positions, valid,
                                window, dtype)
+
+
+def entry_bytes(cache_dtype: str, key_dim: int, value_dim: int) -> float:
+    """Bytes one kept entry of one head takes in the file as `cache_dtype` stores it: with a quantized key's share of
+    its group's step and minimum (`head_bytes`: what a head adds)."""
+    bits = QUANTIZED_BITS.get(cache_dtype)
+    if bits is None:
+        return (key_dim + value_dim) * getattr(torch, cache_dtype).itemsize
+    scales = 2 * SCALE_DTYPE.itemsize  # a step and a minimum
+    return (key_dim + value_dim) * bits / 8 + scales * key_dim / GROUP + scales * math.ceil(value_dim / GROUP)
+
+
+def head_bytes(cache_dtype: str, key_dim: int, value_dim: int) -> float:
+    """The most a quantized head adds to `entry_bytes` of its entries: its exact entries and a partial key group."""
+    if cache_dtype not in QUANTIZED_BITS:
+        return 0.0
+    return SCALE_DTYPE.itemsize * (EXACT * (key_dim + value_dim) + 2 * key_dim)
+
+
+def packed_layers(cache: KVCache, cache_dtype: str | None = None) -> list[PackedLayer]:
+    """The cache's kept entries as the file stores them, in `cache_dtype` (float32, float16, bfloat16, int8 or int4;
+    default: as they are)."""
+    bits = QUANTIZED_BITS.get(cache_dtype)
+    float_dtype = getattr(torch, cache_dtype) if cache_dtype and bits is None else None
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if float_dtype is not None:
+            keys, values = keys.to(float_dtype), values.to(float_dtype)
+        packed = packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(), layer.rope_positions.cpu(),
+                                    layer.valid.cpu())
+        layers.append(packed if bits is None else quantize_packed(packed, bits))
+    return layers
+
+
+def stored_cache(cache: KVCache, cache_dtype: str, device, dtype: torch.dtype) -> tuple[KVCache, int]:
+    """`cache` as a file stores it in `cache_dtype` and a load reads it back (in `dtype` on `device`), and the bytes
+    of its keys and values in the file."""
+    layers = packed_layers(cache, cache_dtype)
+    caches = [layer_cache(packed, old.window, device, dtype) for packed, old in zip(layers, cache.layers)]
+    return KVCache(caches), sum(nbytes(packed.keys) + nbytes(packed.values) for packed in layers)

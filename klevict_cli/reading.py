@@ -8,7 +8,9 @@ import functools
 
 from klevict_cli.display import err, shown
 from klevict_cli.errors import ResourceError, UsageError
-from klevict_cli.options import Budget, format_size, parse_budget, parse_size, parse_working_limit
+from klevict_cli.options import (
+    Budget, format_size, parse_budget, parse_byte_limit, parse_size, parse_working_limit,
+)
 
 # 10 % of the document, but never fewer than 96 entries per head: below that a short note's facts are lost (20 notes
 # of 320 tokens, two planted codes each: the full cache answered 31/40, `compress` 14/40 at 10 % = 34 entries per head,
@@ -51,6 +53,8 @@ def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
         budget=read_budget(opts), max_kl=opts.get("max_kl"), method=opts["method"], chunk_size=opts["chunk_size"],
+        cache_dtype=opts.get("cache_dtype"),
+        max_bytes=parse_byte_limit(str(opts["max_bytes"])) if opts.get("max_bytes") is not None else None,
         probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
         max_new_tokens=opts["max_new_tokens"],
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
@@ -58,10 +62,10 @@ def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
 
 
 def read_budget(opts: dict):
-    """The budget asked for: `--budget`, else DEFAULT_BUDGET — or, with `--max-kl`, no cap unless `--budget` sets
-    one."""
+    """The budget asked for: `--budget`, else DEFAULT_BUDGET — or, with `--max-kl` or `--max-bytes`, no cap unless
+    `--budget` sets one."""
     if opts.get("budget") is None:
-        return None if opts.get("max_kl") is not None else DEFAULT_BUDGET
+        return None if opts.get("max_kl") is not None or opts.get("max_bytes") is not None else DEFAULT_BUDGET
     return parse_budget(str(opts["budget"]))
 
 

@@ -18,17 +18,16 @@ import torch
 from klevict_cli import __version__, calibrations
 from klevict_cli.adapter_check import adapter_for
 from klevict_cli.adapters import ModelAdapter
-from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.cache import KVCache
 from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
-from klevict_cli.kvc import (
-    QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, nbytes, packed_from_padded, padded_from_packed,
-    save_kvc,
+from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
+from klevict_cli.quantized import (
+    EXACT, GROUP, STORAGE_CHOICES, entry_bytes, head_bytes, layer_cache, packed_layers, stored_cache,
 )
-from klevict_cli.quantized import EXACT, GROUP, Quantized, quantize_packed, quantized_layer_cache
 from klevict_cli.models import LoadedModel
-from klevict_cli.options import Budget
+from klevict_cli.options import Budget, ByteLimit, format_size
 from klevict_cli.policies import POLICIES, make_policy
 from klevict_cli.probes import Reconstruction
 from klevict_cli.prompts import encode_text, frame_for, stop_ids
@@ -56,6 +55,10 @@ class ReadSettings:
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
     measure_drift: bool = False  # measure the last eviction (Engine.measure_drift): the cache's estimated KL
     max_kl: float | None = None  # keep the smallest cache (within `budget`, if any) whose estimated KL is at most this
+    cache_dtype: str | None = None  # what the cache will be stored as (its drift is measured so); None: as it is
+    # keys and values within this many bytes: of float16, int8 and int4 (or `cache_dtype`), each at the budget that
+    # fits, the one whose stored cache drifts least (Engine.storage)
+    max_bytes: ByteLimit | None = None
 
 
 @dataclass
@@ -111,7 +114,7 @@ class Session:
         self.stop_ids = stop_ids(lm.tokenizer)
 
     def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
-               head_cap: int | None = None) -> Engine:
+               head_cap: int | None = None, storage: dict[str, int | None] | None = None) -> Engine:
         policy = make_policy(method)
         wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
         if self.model_state is not None:
@@ -124,6 +127,7 @@ class Session:
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
             measure_drift=settings.measure_drift, max_kl=settings.max_kl,
+            storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -144,6 +148,10 @@ class Session:
         prefix = self.frame.prefix_ids(self.lm.tokenizer)
         ids = prefix + doc_ids
         budget = settings.budget.resolve(len(ids)) if settings.budget is not None else None
+        storage = None
+        if settings.max_bytes is not None and settings.method != "none":
+            storage = self.storage_budgets(settings.max_bytes, len(ids), settings.cache_dtype, budget)
+            budget = max(storage.values())
         if settings.method == "none":
             budget = None
         room = reserve if reserve is not None else QUESTION_ROOM + settings.max_new_tokens
@@ -160,7 +168,7 @@ class Session:
             if plan.budget is not None and settings.working is None:  # the largest working limit that fits
                 settings = replace(settings, working=Budget(tokens=self.working_within(
                     settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size)))
-        engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap)
+        engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap, storage)
         stream = engine.new_stream()
         per_token = self.bytes_per_token()
         done = peak = held = 0
@@ -176,8 +184,30 @@ class Session:
         start = time.perf_counter()
         logits = engine.feed(stream, ids, progress=tick)
         synchronize(engine.device)
+        if engine.chooses_storage:  # the budget is the one the chosen storage got
+            plan = replace(plan, budget=engine.storage[stream.stored_as])
         return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
                           list(plan.notes), engine, logits, peak)
+
+    def storage_budgets(self, limit: ByteLimit, n_tokens: int, cache_dtype: str | None, cap: int | None
+                        ) -> dict[str, int]:
+        """Entries per KV head that float16, int8 and int4 (or `cache_dtype` alone) can keep of `n_tokens` within
+        `limit` bytes of keys and values, at most `cap`: sliding-window layers hold their window whatever the budget,
+        the others share the rest (kl spends it globally)."""
+        size = limit.resolve(n_tokens * self.bytes_per_token())
+        shapes = self.adapter.layer_shapes()
+        scored = [s for s in shapes if s.window is None] or shapes
+        budgets = {}
+        for dtype in [cache_dtype] if cache_dtype else STORAGE_CHOICES:
+            fixed = sum(s.kv_heads * (min(s.window or n_tokens, n_tokens) * entry_bytes(dtype, s.key_dim, s.value_dim)
+                                      * (s not in scored) + head_bytes(dtype, s.key_dim, s.value_dim))
+                        for s in shapes)
+            per_entry = sum(s.kv_heads * entry_bytes(dtype, s.key_dim, s.value_dim) for s in scored)
+            budgets[dtype] = min(int((size - fixed) // per_entry), n_tokens, cap or n_tokens)
+        if max(budgets.values()) < 1:
+            raise ResourceError(f"--max-bytes {limit} ({format_size(size)}) cannot hold one entry per head of this"
+                                f" model, even as {list(budgets)[-1]}")
+        return {dtype: budget for dtype, budget in budgets.items() if budget >= 1}
 
     def working_within(self, max_memory: int, budget: int, most: int, chunk: int) -> int:
         """The largest working limit in [budget, most] entries per head whose reading fits `max_memory` bytes."""
@@ -263,8 +293,10 @@ class Session:
 
     def cache_file(self, result: ReadResult, cache_dtype: str | None = None) -> KvcFile:
         """What `save` writes, for writers other than a file (e.g. standard output). `cache_dtype`: float32,
-        float16, bfloat16, int8 or int4 (klevict_cli/quantized.py); default the model's dtype."""
+        float16, bfloat16, int8 or int4 (klevict_cli/quantized.py); default what the read chose (`--max-bytes`),
+        else the model's dtype."""
         stream, settings = result.stream, result.settings
+        cache_dtype = cache_dtype or stream.stored_as
         layers = packed_layers(stream.cache, cache_dtype)
         bits = QUANTIZED_BITS.get(cache_dtype)
         dtype = cache_dtype if bits else str(layers[0].keys.dtype if layers else torch.float32).removeprefix("torch.")
@@ -287,6 +319,7 @@ class Session:
             "working_limit": str(settings.working) if settings.working is not None else "default",
             "reconstruct": str(settings.reconstruct).lower(),
             **({"max_kl": repr(settings.max_kl)} if settings.max_kl is not None else {}),
+            **({"max_bytes": str(settings.max_bytes)} if settings.max_bytes is not None else {}),
             **({"estimated_kl": json.dumps(stream.drift, sort_keys=True)} if stream.drift is not None else {}),
             "prefix_tokens": str(result.prefix_tokens),
             "document_tokens": str(result.document_tokens),
@@ -331,38 +364,14 @@ class Session:
     def cache_of(self, layers: list[PackedLayer]) -> KVCache:
         """Packed layers (a file's) as the engine's cache on this model's device; quantized ones stay quantized."""
         param = next(self.lm.model.parameters())
-        caches = []
-        for packed, shape in zip(layers, self.adapter.layer_shapes()):
-            if isinstance(packed.keys, Quantized):
-                caches.append(quantized_layer_cache(packed, shape.window, param.device, param.dtype))
-                continue
-            keys, values, positions, rope, valid = padded_from_packed(packed)
-            caches.append(LayerCache(
-                keys.to(param.device, param.dtype), values.to(param.device, param.dtype),
-                positions.long().to(param.device), rope.long().to(param.device), valid.to(param.device), shape.window,
-            ))
-        return KVCache(caches)
+        return KVCache([layer_cache(packed, shape.window, param.device, param.dtype)
+                        for packed, shape in zip(layers, self.adapter.layer_shapes())])
 
     def as_stored(self, stream: Stream, cache_dtype: str) -> tuple[Stream, int]:
         """`stream` as `compress --cache-dtype` writes it and `ask` loads it back, and the bytes its keys and values
         take in the file (what the bench measures)."""
-        layers = packed_layers(stream.cache, cache_dtype)
+        param = next(self.lm.model.parameters())
         stored = stream.clone()
-        stored.cache = self.cache_of(layers)
-        return stored, sum(nbytes(layer.keys) + nbytes(layer.values) for layer in layers)
+        stored.cache, size = stored_cache(stream.cache, cache_dtype, param.device, param.dtype)
+        return stored, size
 
-
-def packed_layers(cache: KVCache, cache_dtype: str | None = None) -> list[PackedLayer]:
-    """The cache's kept entries as the file stores them, in `cache_dtype` (float32, float16, bfloat16, int8 or int4;
-    default: as they are)."""
-    bits = QUANTIZED_BITS.get(cache_dtype)
-    float_dtype = getattr(torch, cache_dtype) if cache_dtype and bits is None else None
-    layers = []
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        if float_dtype is not None:
-            keys, values = keys.to(float_dtype), values.to(float_dtype)
-        packed = packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(), layer.rope_positions.cpu(),
-                                    layer.valid.cpu())
-        layers.append(packed if bits is None else quantize_packed(packed, bits))
-    return layers

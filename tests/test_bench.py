@@ -165,19 +165,33 @@ def test_bench_measures_tolerances_beside_budgets(session, document):
 
 
 def test_bench_measures_each_stored_dtype_of_the_same_read(session, document):
-    """--cache-dtype: one read per budget, measured as each dtype stores it; float32 is the read itself, and fewer
-    bits take fewer bytes and move the model further."""
-    settings = BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["50%"], "task": "fidelity", "windows": 1,
-                                "cache_dtypes": ["float32", "int8", "int4"]})
-    plain = run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["50%"],
-                                                          "task": "fidelity", "windows": 1}))
-    rows = run_bench(session, document, settings)["fidelity"]["results"]["kl"]
-    assert list(rows) == ["50% float32", "50% int8", "50% int4"]
-    f32, i8, i4 = (rows[label]["per_window"] for label in rows)
-    assert f32["kl"] == pytest.approx(plain["fidelity"]["results"]["kl"]["50%"]["per_window"]["kl"], abs=1e-7)
+    """--cache-dtype: one read per budget, measured as each dtype stores it (a row per method and dtype); float32 is
+    the read itself, and fewer bits take fewer bytes and move the model further."""
+    base = {**SETTINGS, "methods": ["kl"], "budgets": ["50%"], "task": "fidelity", "windows": 1}
+    plain = run_bench(session, document, BenchSettings(**base))["fidelity"]["results"]["kl"]["50%"]["per_window"]
+    rows = run_bench(session, document, BenchSettings(**base, cache_dtypes=["float32", "int8", "int4"]))
+    rows = rows["fidelity"]["results"]
+    assert list(rows) == ["kl float32", "kl int8", "kl int4"]
+    f32, i8, i4 = (rows[name]["50%"]["per_window"] for name in rows)
+    assert f32["kl"] == pytest.approx(plain["kl"], abs=1e-7)
     assert f32["cache_bytes"][0] > 2.5 * i8["cache_bytes"][0] > 0 and i8["cache_bytes"][0] > i4["cache_bytes"][0]
     assert f32["kept_entries"] == i8["kept_entries"] == i4["kept_entries"]
     assert f32["kl"][0] <= i8["kl"][0] < i4["kl"][0]
+    assert (f32["cache_dtype"], i4["cache_dtype"]) == (["float32"], ["int4"])
+
+
+def test_bench_measures_byte_limits_as_compress_stores_them(session, document):
+    """--max-bytes: each limit's read chooses a dtype; its cache is measured as stored, within the limit."""
+    settings = BenchSettings(**{**SETTINGS, "methods": ["kl"], "budgets": ["20%"], "task": "fidelity",
+                                "windows": 1, "max_bytes": ["10%"]})
+    result = run_bench(session, document, settings)
+    assert result["settings"]["budget_tokens"]["max-bytes 10%"] is None
+    row = result["fidelity"]["results"]["kl"]["max-bytes 10%"]["per_window"]
+    assert row["cache_dtype"][0] in ("float16", "int8", "int4")
+    assert 0 < row["cache_fraction"][0] <= 0.1
+    console = Console(record=True, width=200)
+    render(result, console)
+    assert "--max-bytes: bytes kept" in console.export_text()
 
 
 def test_render_prints_every_method_and_budget(result):

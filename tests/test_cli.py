@@ -325,6 +325,33 @@ def test_compress_quantized_cache_is_smaller_and_answers(doc, model, compressed,
     assert_ok(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN))
 
 
+def test_compress_within_a_byte_limit_chooses_a_dtype(doc, model, compressed, tmp_path):
+    f32_path, _ = compressed
+    full = json_out(invoke("inspect", f32_path, "--json"))["kv_bytes_full"]  # every token, float32
+    path = tmp_path / "bytes.kvc"
+    summary = json_out(invoke("compress", doc, "-o", path, "--model", model, *FAST, "--max-bytes", "10%", "--json"))
+    info = json_out(invoke("inspect", path, "--json"))
+    assert summary["cache_dtype"] == info["metadata"]["cache_dtype"] in ("float16", "int8", "int4")
+    assert info["metadata"]["max_bytes"] == "10%" and info["kv_bytes_kept"] <= 0.1 * full
+    assert_ok(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN))
+    fixed = json_out(invoke("compress", doc, "-o", path, "--model", model, *FAST, "--max-bytes", "10%",
+                            "--cache-dtype", "int8", "--json"))
+    assert fixed["cache_dtype"] == "int8"
+
+
+@pytest.mark.parametrize("args, needle", [(["--max-bytes", "0%"], "--max-bytes '0%'"),
+                                          (["--max-bytes", "lots"], "--max-bytes 'lots'"),
+                                          (["--max-bytes", "5%", "--max-kl", "0.1"], "give one of them"),
+                                          (["--max-bytes", "5%", "--method", "none"], "eviction method")])
+def test_bad_byte_limits(doc, model, tmp_path, args, needle):
+    assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, *args), 2, needle)
+
+
+def test_a_byte_limit_too_small_for_one_entry_per_head(doc, model, tmp_path):
+    assert_error(invoke("compress", doc, "-o", tmp_path / "x.kvc", "--model", model, "--max-bytes", "100"), 6,
+                 "cannot hold one entry per head")
+
+
 def test_compress_refuses_to_overwrite_its_input(doc, model, tmp_path, monkeypatch):
     original = doc.read_bytes()
     assert_error(invoke("compress", doc, "-o", doc, "--model", model, *FAST), 2, "input document")

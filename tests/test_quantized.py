@@ -9,10 +9,11 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import continuation_logits, token_metrics
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
+from klevict_cli.errors import ResourceError
 from klevict_cli.kvc import load_kvc, packed_from_padded, save_kvc
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
-from klevict_cli.quantized import QuantizedLayerCache, quantize_packed, quantized_layer_cache
+from klevict_cli.quantized import QuantizedLayerCache, layer_cache, quantize_packed
 from klevict_cli.session import ReadSettings, Session
 from klevict_kernels.quantize import dequantize, pack_int4, quantize, unpack_int4
 from tests.conftest import make_tokenizer, tiny_llama
@@ -82,7 +83,7 @@ def quantized_layer(bits=4, heads=2, width=40, dim=8, short=30):
     valid[1, short:] = False
     positions = torch.arange(width).expand(heads, width).masked_fill(~valid, -1)
     packed = quantize_packed(packed_from_padded(keys, values, positions, positions, valid), bits)
-    return quantized_layer_cache(packed, None, "cpu", torch.float32), keys, values, valid
+    return layer_cache(packed, None, "cpu", torch.float32), keys, values, valid
 
 
 def test_a_quantized_layer_reads_its_codes_and_keeps_the_sink_exact():
@@ -251,3 +252,43 @@ def test_codes_of_the_wrong_width_are_refused(quantized_file, tmp_path):
 def test_version_and_cache_dtype_must_agree(quantized_file, tmp_path):
     rejects(damaged(quantized_file, tmp_path, format_version="1"), "needs format version 2")
     rejects(damaged(quantized_file, tmp_path, cache_dtype="float32"), "int8 or int4 cache")
+
+
+# ---- a byte limit: fewer entries or fewer bits ------------------------------------------------------------------
+def test_each_storage_gets_the_entries_its_bytes_allow(session):
+    from klevict_cli.options import ByteLimit
+
+    budgets = session.storage_budgets(ByteLimit(share=0.1), 400, None, None)
+    assert list(budgets) == ["float16", "int8", "int4"]
+    assert budgets["float16"] == pytest.approx(0.1 * 400 * 2, abs=1)  # float32 model: half the bytes per entry
+    assert budgets["float16"] < budgets["int8"] < budgets["int4"] < 400
+    assert session.storage_budgets(ByteLimit(share=0.1), 400, "int8", 50) == {"int8": 50}  # --budget caps it
+    with pytest.raises(ResourceError, match="cannot hold one entry per head"):
+        session.storage_budgets(ByteLimit(size=100), 400, None, None)
+
+
+def test_the_storage_whose_cache_drifts_least_is_chosen(session, monkeypatch):
+    """The read's last eviction tries each storage at its budget and keeps the one whose stored cache the drafts
+    find closest; the cache then fits the byte limit as stored."""
+    from klevict_cli.engine import Engine
+    from klevict_cli.options import ByteLimit
+
+    measured = {}
+    real = Engine.measure_drift
+
+    def drift(self, stream, drafted):
+        out = real(self, stream, drafted)
+        measured.setdefault(stream.stored_as, out["kl"])
+        return {**out, "kl": {"float16": 3.0, "int8": 1.0, "int4": 2.0}[stream.stored_as]}
+
+    monkeypatch.setattr(Engine, "measure_drift", drift)
+    ids = session.lm.tokenizer(TEXT)["input_ids"]
+    limit = ByteLimit(share=0.1)
+    settings = ReadSettings(budget=None, method="kl", chunk_size=64, probe_window=8, max_bytes=limit)
+    result = session.read_tokens(ids, settings, reserve=8)
+    assert set(measured) == {"float16", "int8", "int4"}
+    assert result.stream.stored_as == "int8" and result.stream.drift["kl"] == 1.0
+    budgets = session.storage_budgets(limit, result.document_tokens + result.prefix_tokens, None, None)
+    assert result.plan.budget == budgets["int8"]
+    _, size = session.as_stored(result.stream, "int8")
+    assert size <= limit.resolve((result.document_tokens + result.prefix_tokens) * session.bytes_per_token())
