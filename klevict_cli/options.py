@@ -278,7 +278,9 @@ class ByteLimit:
         return self.size if self.size is not None else int(self.share * full_bytes)
 
     def __str__(self) -> str:
-        return format_size(self.size) if self.size is not None else f"{self.share * 100:.9f}".rstrip("0").rstrip(".") + "%"
+        if self.size is not None:
+            return format_size(self.size)
+        return f"{self.share * 100:.9f}".rstrip("0").rstrip(".") + "%"
 
 
 def parse_byte_limit(text: str) -> ByteLimit:

@@ -96,8 +96,41 @@ def describe_axes(ax, kind: str, result: dict) -> None:
         ax.set_title(f"{kind}: retrieval accuracy")
 
 
-def plot_bytes(result: dict, path: Path) -> bytes:
-    """`result` drawn as the bytes of a file of `path`'s format (.png, .svg or .pdf)."""
+def frontier_figure(result: dict):
+    """KL against the bytes a cache is stored in: one line per dtype of a `bench --cache-dtype` result (rows
+    "<method> <dtype>"), through its kept shares."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    rows = result["fidelity"]["results"]
+    colours = fig_colours(len(rows))
+    for n, (name, per) in enumerate(rows.items()):
+        points = sorted((100 * row["cache_fraction"]["mean"], row["kl"]["mean"], row["kl"]["ci95"], label)
+                        for label, row in per.items())
+        ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], capsize=2,
+                    marker="o", markersize=3.5, color=colours[n], label=name.split()[-1])
+        for x, y, _, label in points:
+            ax.annotate(label, (x, y), fontsize="x-small", xytext=(3, 3), textcoords="offset points",
+                        color=colours[n])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("keys and values, % of the float32 cache's bytes")
+    ax.set_ylabel("KL(full ‖ stored), nats/token")
+    s = result["settings"]
+    ax.set_title(f"KL against bytes, mean ± 95 % over {s['windows']} windows of {s['context']:,} tokens",
+                 fontsize="medium")
+    ax.legend(fontsize="small", frameon=False)
+    return fig
+
+
+def plot_bytes(result: dict, path: Path, frontier: bool = False) -> bytes:
+    """`result` drawn as the bytes of a file of `path`'s format (.png, .svg or .pdf); `frontier`: KL against
+    bytes (`frontier_figure`)."""
     buffer = io.BytesIO()
-    figure(result).savefig(buffer, format=Path(path).suffix.lower().lstrip("."), dpi=110)
+    (frontier_figure if frontier else figure)(result).savefig(buffer, format=Path(path).suffix.lower().lstrip("."),
+                                                              dpi=110)
     return buffer.getvalue()

@@ -1,14 +1,11 @@
 """int8 / int4 caches: kept keys and values as per-group integer codes, in the file and in memory.
 
-Keys are grouped along the tokens of a head (one step and minimum per channel for every GROUP entries) and values
-along the channels of an entry, as KIVI found best and as measured here (docs/research-log.md, "quantized caches":
-int4 keys grouped along the channels had 1.04-1.4x the KL of keys grouped along the tokens). Entries are quantized
-in the engine's padded layout with each head's entries packed to the left, so a head's key groups are its
-consecutive kept entries; the file stores the codes packed like float keys and values, and the key groups as
-(heads, groups, key_dim).
-
-A loaded quantized cache stays quantized in memory (`QuantizedLayerCache`): the attention dequantizes one layer's
-keys and values when it reads them, and entries appended later (a question, an answer) are kept in the model's dtype.
+Keys are grouped along the entries of a head (one step and minimum per channel for every GROUP consecutive kept
+entries) and values along the channels of an entry, as KIVI found best and as measured here (docs/research-log.md,
+"int8 and int4 caches"); each head's first kept entry, the attention sink, is stored as it is. The file stores the
+codes packed like float keys and values (kvc.py, format version 2); a loaded cache keeps them so
+(`QuantizedLayerCache`) and the attention dequantizes one layer's keys and values when it reads them. Entries
+appended later (a question, an answer) are kept in the model's dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +17,14 @@ import torch
 
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.kvc import (
-    QUANTIZED_BITS, PackedLayer, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
+    CODE_FIELDS, QUANTIZED_BITS, PackedLayer, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
 )
 from klevict_kernels.quantize import SCALE_DTYPE, dequantize, quantize
 
 GROUP = 32  # entries per key group, channels per value group
 STORAGE_CHOICES = ("float16", "int8", "int4")  # what `--max-bytes` chooses from, most bits first
 EXACT = 1  # each head's first kept entries (the attention sink), kept in float16 and out of their key group's range
+PARTS = CODE_FIELDS  # a Quantized's tensors, as the file names them
 
 
 @dataclass
@@ -49,10 +47,10 @@ class Quantized:
         return self.codes.shape[-1] * 8 // self.bits
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.steps, self.minima, self.exact))
+        return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in PARTS)
 
     def to(self, device) -> Quantized:
-        return replace(self, **{part: getattr(self, part).to(device) for part in ("codes", "steps", "minima", "exact")})
+        return replace(self, **{part: getattr(self, part).to(device) for part in PARTS})
 
 
 def quantize_keys(keys: torch.Tensor, valid: torch.Tensor, bits: int, group: int = GROUP,

@@ -144,6 +144,10 @@ def command(result: dict, path: Path) -> str:
         parts.append("--estimate")
     if s.get("max_kl"):
         parts += ["--max-kl", ",".join(f"{t:g}" for t in s["max_kl"])]
+    if s.get("cache_dtypes"):
+        parts += ["--cache-dtype", ",".join(s["cache_dtypes"])]
+    if s.get("max_bytes"):
+        parts += ["--max-bytes", ",".join(s["max_bytes"])]
     parts += ["--device", s["device"], "--dtype", s["dtype"], "--out", path.as_posix()]
     return shlex.join(str(p) for p in parts)
 
@@ -373,3 +377,81 @@ def length_table(results: dict[Path, dict]) -> list[str]:
         "", "KL in nats per token (mean ± 95 % over windows); ratios paired per window (geometric mean, 95 % "
         "bootstrap interval, windows where the kl reading is lower). Texts: " + ", ".join(f"`{md(t)}`" for t in texts)
         + "; files: " + ", ".join(f"`{p.as_posix()}`" for ps in groups.values() for p in ps) + "."]
+
+
+# ---- bytes: fewer entries or fewer bits (benchmarks/quantized.sh) ------------------------------------------------
+def quantized_groups(results: dict[Path, dict]) -> tuple[list[Path], list[Path]]:
+    """The size-quality frontier's files (quantized-TEXT-LENGTH.json: rows "kl <dtype>") and the byte limits' files
+    on the same windows (quantized-bytes-TEXT-LENGTH.json)."""
+    frontier = [p for p in sorted(results) if p.name.startswith("quantized-") and not p.name.startswith(
+        "quantized-bytes-") and "fidelity" in results[p]]
+    limits = [p for p in sorted(results) if p.name.startswith("quantized-bytes-") and "fidelity" in results[p]]
+    return frontier, limits
+
+
+def _bytes_share(row: dict) -> float:
+    return 100 * row["cache_fraction"]["mean"]
+
+
+def quantized_tables(results: dict[Path, dict]) -> list[str]:
+    """KL against the bytes a cache is stored in (the texts pooled, window by window): every dtype at every kept
+    share; the dtypes at equal bytes against float16; and what `--max-bytes` chose, against the best fixed choice
+    that fits."""
+    frontier, limits = quantized_groups(results)
+    if not frontier:
+        return ["No quantized-cache results are committed yet (`benchmarks/quantized.sh`)."]
+    result = pool([results[p] for p in frontier])
+    rows, labels = result["fidelity"]["results"], budgets(result)
+    dtypes = [name.split()[-1] for name in rows]
+    lines = table(["dtype", *(md(b) for b in labels)],
+                  [[md(d), *(f"{pm(rows[f'kl {d}'][b]['kl'])} ({_bytes_share(rows[f'kl {d}'][b]):.1f} %)"
+                             for b in labels)] for d in dtypes])
+    lines += ["", "KL in nats per token, mean ± 95 % over windows, with the keys' and values' bytes in % of the "
+              "float32 cache of every token (bracketed). Columns: entries kept per head.", ""]
+    base = "kl float16"
+    if base in rows:
+        body = []
+        for b in labels:
+            size = _bytes_share(rows[base][b])
+            cells = [f"{size:.1f} %", f"{md(b)}: {pm(rows[base][b]['kl'])}"]
+            for d in ("int8", "int4"):
+                fits = [c for c in labels if f"kl {d}" in rows and _bytes_share(rows[f"kl {d}"][c]) <= 1.02 * size]
+                if not fits:
+                    cells.append("–")
+                    continue
+                c = max(fits, key=lambda c: _bytes_share(rows[f"kl {d}"][c]))
+                p = paired_ratio(rows[f"kl {d}"][c]["per_window"]["kl"], rows[base][b]["per_window"]["kl"])
+                cells.append(f"{md(c)} ({_bytes_share(rows[f'kl {d}'][c]):.1f} %): {pm(rows[f'kl {d}'][c]['kl'])}, "
+                             f"{ratio_text(p)}")
+            body.append(cells)
+        lines += ["At equal bytes: each float16 cache against the int8 and int4 caches that keep the most entries "
+                  "within its bytes (+2 %); ratio: their KL over float16's, geometric mean per window with a 95 % "
+                  "bootstrap interval:", ""]
+        lines += table(["bytes", "float16", "int8", "int4"], body) + [""]
+    if limits:
+        chosen = pool([results[p] for p in limits])
+        mine = chosen["fidelity"]["results"]["kl"]
+        body = []
+        for label in [b for b in mine if b.startswith("max-bytes ")]:
+            limit = float(label.removeprefix("max-bytes ").rstrip("%"))
+            row = mine[label]
+            fits = [(name, b) for name in rows for b in labels if _bytes_share(rows[name][b]) <= limit]
+            counts = {}
+            for dtype in row["per_window"]["cache_dtype"]:
+                counts[dtype] = counts.get(dtype, 0) + 1
+            cells = [f"{limit:g} %", ", ".join(f"{md(d)} ×{n}" for d, n in counts.items()),
+                     f"{_bytes_share(row):.1f} %", pm(row["kl"])]
+            if fits:
+                name, b = min(fits, key=lambda nb: rows[nb[0]][nb[1]]["kl"]["mean"])
+                p = paired_ratio(row["per_window"]["kl"], rows[name][b]["per_window"]["kl"])
+                cells += [f"{md(name.split()[-1])} at {md(b)}: {pm(rows[name][b]['kl'])}", ratio_text(p)]
+            else:
+                cells += ["–", "–"]
+            body.append(cells)
+        lines += ["`--max-bytes` on the same windows: the dtype it chose (windows), the bytes and KL of the cache as "
+                  "stored, and the best fixed (dtype, kept) pair of the table above within the limit (ratio: chosen / "
+                  "best, per window):", ""]
+        lines += table(["limit", "chosen", "bytes", "KL", "best fixed pair within it", "chosen / best"], body) + [""]
+    files = frontier + limits
+    return lines + ["Texts: " + md(result["settings"]["document"]["name"]) + "; files: "
+                    + ", ".join(f"`{p.as_posix()}`" for p in files) + "."]

@@ -340,3 +340,14 @@ def test_int_range():
 def test_format_size(size, shown):
     assert format_size(size) == shown
     assert parse_size("max_memory", shown.replace(" bytes", "")) == size
+
+
+def test_byte_limits_are_sizes_or_shares_of_the_full_cache():
+    from klevict_cli.options import ByteLimit, parse_byte_limit
+
+    assert parse_byte_limit("5%") == ByteLimit(share=0.05) and str(ByteLimit(share=0.05)) == "5%"
+    assert parse_byte_limit(" 40M ") == ByteLimit(size=40 * 2**20) and str(ByteLimit(size=40 * 2**20)) == "40 MiB"
+    assert parse_byte_limit("12.5%").resolve(1000) == 125 and parse_byte_limit("2k").resolve(10**9) == 2048
+    for bad in ("0%", "101%", "-1%", "nan%", "5 %%", "lots", "", "0"):
+        with pytest.raises(UsageError, match="--max-bytes"):
+            parse_byte_limit(bad)

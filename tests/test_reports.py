@@ -212,3 +212,28 @@ def test_the_length_sweep_gets_a_table_of_its_own_and_stays_out_of_the_headline(
     readme = generated(root, "README.md", make_tables.HEADLINE)
     assert "`benchmarks/results/plain.json`" in readme and "lengths-" not in readme
     assert make_tables.main(["--root", str(root), "--check"]) == 0
+
+
+def test_quantized_caches_get_a_bytes_table_and_a_frontier_plot(tmp_path):
+    """quantized-TEXT-LENGTH.json (bench --cache-dtype: rows "kl <dtype>") and quantized-bytes-TEXT-LENGTH.json
+    (bench --max-bytes) make the bytes section: every dtype at every kept share with its bytes, the dtypes at equal
+    bytes against float16, and what --max-bytes chose against the best fixed pair within it; plus one plot."""
+    model = tiny_llama(seed=5)
+    model.set_attn_implementation(ATTENTION_NAME)
+    session = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    document = Document(" ".join(CORPUS * 25), "corpus.txt", "0" * 64)
+    base = dict(methods=["kl"], windows=2, context=200, continuation=16, chunk_size=64, probe_window=8)
+    frontier = run_bench(session, document, BenchSettings(**base, budgets=["50%", "30%", "10%"],
+                                                          cache_dtypes=["float16", "int8", "int4"]))
+    limits = run_bench(session, document, BenchSettings(**base, budgets=["10%"], max_bytes=["5%"]))
+    root = tree(tmp_path, {"quantized-corpus-200.json": json.loads(json.dumps(frontier)),
+                           "quantized-bytes-corpus-200.json": json.loads(json.dumps(limits))})
+    assert make_tables.main(["--root", str(root)]) == 0
+    section = generated(root, "docs/benchmarks.md", make_tables.QUANTIZED)
+    for dtype in ("float16", "int8", "int4"):
+        assert f"\n| {dtype} | " in section
+    assert "\n| 5 % | " in section  # what --max-bytes 5% chose
+    assert "--cache-dtype float16,int8,int4" in generated(root, "docs/benchmarks.md", make_tables.TABLES)
+    if importlib.util.find_spec("matplotlib"):
+        assert (root / make_tables.FRONTIER).stat().st_size > 0
+    assert make_tables.main(["--root", str(root), "--check"]) == 0
