@@ -185,6 +185,7 @@ def _settings(opts: dict) -> dict:
         "max_new_tokens": settings["max_new_tokens"], "max_memory": settings["max_memory"],
         "cache_dtype": opts.get("cache_dtype"),
         **({"max_kl": settings["max_kl"]} if settings["max_kl"] is not None else {}),  # older manifests have none
+        **({"max_bytes": str(settings["max_bytes"])} if settings["max_bytes"] is not None else {}),
     }
 
 

@@ -284,3 +284,18 @@ def test_a_batch_records_and_shows_how_a_document_was_decoded(corpus, model, tmp
     assert_ok(result)
     assert "is not UTF-8 (1 non-ASCII byte 0xe9 at line 1, offset 3); read it as Windows-1252" in result.stderr
     assert "read it as Windows-1252" in manifest(out)[0]["notes"][0]
+
+
+def test_a_batch_within_a_byte_limit_stores_each_cache_as_chosen_and_redoes_it_when_the_limit_changes(
+        corpus, model, tmp_path):
+    from klevict_cli.kvc import read_metadata
+
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST,
+            "--no-reconstruct"]
+    assert_ok(invoke(*args, "--max-bytes", "20%"))
+    for record in manifest(out):
+        meta = read_metadata(out / record["kvc"])
+        assert meta["max_bytes"] == "20%" and meta["cache_dtype"] in ("float16", "int8", "int4")
+    again = invoke(*args, "--max-bytes", "10%", "--json")
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["ok", "ok"]
