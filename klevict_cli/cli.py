@@ -332,8 +332,6 @@ def read_summary(result) -> dict:
         "method": result.settings.method,
         "budget": str(result.settings.budget),
         "max_kl": result.settings.max_kl,
-        "max_bytes": str(result.settings.max_bytes) if result.settings.max_bytes is not None else None,
-        "cache_dtype": result.stream.stored_as,  # what the cache is to be stored as, if the read was told
         "budget_tokens": result.plan.budget,
         "position_mode": result.plan.mode,
         "kept_entries": kept,
@@ -442,7 +440,8 @@ def compress(
     cache = session.cache_file(result, cache_dtype=opts["cache_dtype"])
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
-    summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result)}
+    summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result),
+               "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
     stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
             f" frame -> {result.plan.budget or 'all'} entries per head{stored} ({result.settings.method},"

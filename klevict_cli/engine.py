@@ -456,7 +456,8 @@ class Engine:
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
             trial.stored_as = dtype
-            drift = self.measure_drift(self.as_stored(trial), drafted)["kl"]
+            trial.cache, _ = stored_cache(trial.cache, dtype, self.device, self.dtype)
+            drift = self.measure_drift(trial, drafted)["kl"]
             if best is None or drift < best[0]:
                 best = (drift, dtype, budget)
         return best[1], best[2]
