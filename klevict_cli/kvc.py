@@ -16,7 +16,7 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -26,8 +26,6 @@ from klevict_cli.files import write_atomically
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (a batch's skip check) needs none
     import torch
-
-    from klevict_cli.quantized import Quantized
 
 FORMAT = "klevict-kvc"
 FORMAT_VERSION = "1"  # float keys and values
@@ -63,6 +61,33 @@ class PackedLayer:
     positions: torch.Tensor  # (N,) int32, original token positions in the stream (index into `tokens`)
     rope_positions: torch.Tensor  # (N,) int32, position the key is currently rotated at
     lengths: torch.Tensor  # (heads,) int32, entries per KV head
+
+
+@dataclass
+class Quantized:
+    """Quantized keys or values (format version 2; klevict_cli/quantized.py makes and reads them): per-group codes,
+    x ≈ minima + codes · steps (kernels/quantize.py), int4 codes two to a byte along the channels. As stored: keys'
+    codes (N, ·) packed head after head and their steps and minima (groups, Dk), each head's groups of `group`
+    entries after the previous head's; values' codes, steps and minima (N, ·), one step per `group` channels.
+    (klevict_cli.quantized's `quantize_keys` / `quantize_values` give the padded (H, C, ·) form.)"""
+
+    codes: torch.Tensor  # uint8
+    steps: torch.Tensor  # float16
+    minima: torch.Tensor  # float16
+    exact: torch.Tensor  # (H, quant_exact, D) float16: each head's first entries as they are (codes unused)
+    bits: int
+    group: int
+
+    @property
+    def width(self) -> int:
+        """Channels per entry."""
+        return self.codes.shape[-1] * 8 // self.bits
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in CODE_FIELDS)
+
+    def to(self, device) -> Quantized:
+        return replace(self, **{part: getattr(self, part).to(device) for part in CODE_FIELDS})
 
 
 @dataclass
@@ -485,8 +510,6 @@ def _check_codes_layout(path: Path, i: int, require, bits: int, group: int, exac
 
 
 def _layers_of(tensors: dict[str, torch.Tensor], num_layers: int, metadata: dict[str, str]) -> list[PackedLayer]:
-    from klevict_cli.quantized import Quantized
-
     def field(i: int, name: str):
         prefix = f"layers.{i}.{name}"
         if prefix in tensors:

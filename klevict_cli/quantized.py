@@ -11,46 +11,19 @@ appended later (a question, an answer) are kept in the model's dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.kvc import (
-    CODE_FIELDS, QUANTIZED_BITS, PackedLayer, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
+    QUANTIZED_BITS, PackedLayer, Quantized, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
 )
 from klevict_kernels.quantize import SCALE_DTYPE, dequantize, quantize
 
 GROUP = 32  # entries per key group, channels per value group
 STORAGE_CHOICES = ("float16", "int8", "int4")  # what `--max-bytes` chooses from, most bits first
 EXACT = 1  # each head's first kept entries (the attention sink), kept in float16 and out of their key group's range
-PARTS = CODE_FIELDS  # a Quantized's tensors, as the file names them
-
-
-@dataclass
-class Quantized:
-    """Per-group codes: x ≈ minima + codes · steps (kernels/quantize.py); int4 codes two to a byte along the
-    channels. As stored (`quantize_packed`): keys' codes (N, ·) packed head after head and their steps and minima
-    (groups, Dk), each head's groups of entries after the previous head's; values' codes, steps and minima (N, ·),
-    one step per group of channels. (`quantize_keys` / `quantize_values` give the padded (H, C, ·) form.)"""
-
-    codes: torch.Tensor  # uint8
-    steps: torch.Tensor  # float16
-    minima: torch.Tensor  # float16
-    exact: torch.Tensor  # (H, EXACT, D) float16: each head's first entries as they are (their codes are unused)
-    bits: int
-    group: int = GROUP
-
-    @property
-    def width(self) -> int:
-        """Channels per entry."""
-        return self.codes.shape[-1] * 8 // self.bits
-
-    def nbytes(self) -> int:
-        return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in PARTS)
-
-    def to(self, device) -> Quantized:
-        return replace(self, **{part: getattr(self, part).to(device) for part in PARTS})
 
 
 def quantize_keys(keys: torch.Tensor, valid: torch.Tensor, bits: int, group: int = GROUP,
