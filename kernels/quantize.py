@@ -47,14 +47,16 @@ def quantize(x: torch.Tensor, bits: int, group: int, dim: int, valid: torch.Tens
 
 def dequantize(codes: torch.Tensor, steps: torch.Tensor, minima: torch.Tensor, bits: int, group: int, dim: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values `quantize` encoded (padding elements come back as some value in their group's range)."""
+    """The values `quantize` encoded, in `dtype` (padding elements come back as some value in their group's range).
+    Computed in float32 (at least) and rounded once: bfloat16 steps would double int8's error."""
     if bits == 4:
         codes = unpack_int4(codes)
     dim = dim % codes.dim()
     size = codes.shape[dim]
-    steps = steps.to(dtype).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
-    minima = minima.to(dtype).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
-    return torch.addcmul(minima, codes.to(dtype), steps)
+    work = torch.promote_types(dtype, torch.float32)
+    steps = steps.to(work).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
+    minima = minima.to(work).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
+    return torch.addcmul(minima, codes.to(work), steps).to(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,10 @@ class LayerCache:
         self._storage[name] = value
         self._used = value.shape[1]
 
+    def materialize(self) -> None:
+        """Hold keys and values as tensors that can be edited in place (they are; a quantized layer's are decoded
+        on every read: klevict_cli/quantized.py)."""
+
     def _offset(self, name: str) -> int:
         """The first column `name`'s storage holds (a quantized layer stores its loaded keys and values apart)."""
         return 0

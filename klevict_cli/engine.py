@@ -292,7 +292,7 @@ class Engine:
     def held_per_head(self, stream: Stream) -> float:
         """Entries held per KV head, on average over the scored layers (`_scored_layers`)."""
         layers = self._scored_layers(stream).values()
-        heads = sum(layer.keys.shape[0] for layer in layers)
+        heads = sum(layer.valid.shape[0] for layer in layers)
         return int(sum(layer.valid.sum() for layer in layers)) / max(heads, 1)  # one host sync
 
     def _must_evict(self, stream: Stream, incoming: int, upcoming: int) -> bool:
@@ -406,8 +406,11 @@ class Engine:
         if step.final and self.max_kl is not None and drafted is not None:
             budget = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
-        elif step.final and self.chooses_storage and drafted is not None:
-            stream.stored_as, budget = self._storage_within(stream, step, scores, recent, keep, targets, drafted)
+        elif step.final and self.chooses_storage:
+            if drafted is not None:
+                stream.stored_as, budget = self._storage_within(stream, step, scores, recent, keep, targets, drafted)
+            else:  # no room past the read to sample a continuation: the storage with the most bits
+                budget = self.storage[stream.stored_as]
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         self._keep_best(stream, scores, recent, budget, keep, targets, stack)
 
@@ -433,7 +436,7 @@ class Engine:
             trial = stream.clone()
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
-            return self.measure_drift(trial, drafted)["kl"]
+            return self.measure_drift(self.as_stored(trial), drafted)["kl"]
 
         if drifts(most) > self.max_kl:
             return most
@@ -552,6 +555,8 @@ class Engine:
                                                protect[n, :, : layer.capacity])
                                    for n, (i, layer) in enumerate(scored.items())], fill=False)
             if targets:
+                for layer in scored.values():
+                    layer.materialize()  # the refit writes into the values
                 self._refit(scored, masks, targets)
             order, capacities = keep_orders(masks)
             for n, layer in enumerate(scored.values()):

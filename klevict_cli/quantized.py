@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from klevict_cli.cache import KVCache, LayerCache
+from klevict_cli.errors import UsageError
 from klevict_cli.kvc import (
     QUANTIZED_BITS, PackedLayer, Quantized, nbytes, packed_from_padded, pad_rows, padded_from_packed, padding_mask,
 )
@@ -85,12 +86,13 @@ class QuantizedLayerCache(LayerCache):
         """keys and values as `quantize_packed` makes them; positions, rope_positions and valid (H, C) padded, each
         head's entries first."""
         heads, width = valid.shape
-        self.frozen: tuple[Quantized, Quantized] | None = (keys, values)
-        self.dtype, self.width = dtype, width
-        # keys / values storage holds the float columns after the quantized ones
+        self.frozen: tuple[Quantized, Quantized] | None = None
+        self.dtype, self.width = dtype, 0
+        # keys / values storage holds the float columns after the quantized ones: none yet
         tail_k = torch.zeros(heads, 0, keys.width, dtype=dtype, device=valid.device)
         tail_v = torch.zeros(heads, 0, values.width, dtype=dtype, device=valid.device)
         super().__init__(tail_k, tail_v, positions, rope_positions, valid, window)
+        self.frozen, self.width = (keys, values), width
 
     keys = property(lambda self: self._read("keys"), lambda self, value: self._set_field("keys", value))
     values = property(lambda self: self._read("values"), lambda self, value: self._set_field("values", value))
@@ -104,16 +106,15 @@ class QuantizedLayerCache(LayerCache):
         return torch.cat((decode(q, self._storage["valid"][:, : self.width], self.dtype), tail), dim=1)
 
     def _set_field(self, name: str, value: torch.Tensor) -> None:
-        if name in ("keys", "values"):  # only the float columns after the quantized ones are stored
-            self._storage[name] = value[:, self.width :]
-        else:
-            super()._set_field(name, value)
+        if name in ("keys", "values"):  # new keys or values for every entry (re-rotated keys): floats from now on
+            self.materialize()
+        super()._set_field(name, value)
 
     def _offset(self, name: str) -> int:
         return self.width if name in ("keys", "values") else 0
 
     def materialize(self) -> None:
-        """Hold every entry as floats (before an eviction re-packs the columns)."""
+        """Hold every entry as floats, editable in place (before an eviction refits or re-packs the columns)."""
         if self.frozen is not None:
             keys, values = self.keys, self.values
             self.frozen, self.width = None, 0
@@ -151,6 +152,10 @@ class QuantizedLayerCache(LayerCache):
 def quantize_packed(layer: PackedLayer, bits: int, group: int = GROUP) -> PackedLayer:
     """A float layer as the file stores it (kvc.py), quantized: each head's keys grouped over its entries in order;
     codes, and values' steps and minima, packed like the entries."""
+    widths = {layer.keys.shape[-1], layer.values.shape[-1]}
+    if bits == 4 and any(width % 2 for width in widths):
+        raise UsageError(f"int4 packs two channels to a byte, and this model's heads have {max(widths)} / "
+                         f"{min(widths)} channels: use --cache-dtype int8")
     valid = padding_mask(layer.lengths)
     keys = quantize_keys(pad_rows(layer.keys, valid), valid, bits, group)
     values = quantize_values(pad_rows(layer.values, valid), valid, bits, group)
@@ -202,9 +207,8 @@ def packed_layers(cache: KVCache, cache_dtype: str | None = None) -> list[Packed
         keys, values = layer.keys, layer.values
         if float_dtype is not None:
             keys, values = keys.to(float_dtype), values.to(float_dtype)
-        packed = packed_from_padded(keys.cpu(), values.cpu(), layer.positions.cpu(), layer.rope_positions.cpu(),
-                                    layer.valid.cpu())
-        layers.append(packed if bits is None else quantize_packed(packed, bits))
+        packed = packed_from_padded(keys, values, layer.positions, layer.rope_positions, layer.valid)
+        layers.append(packed if bits is None else quantize_packed(packed, bits))  # on the cache's device
     return layers
 
 

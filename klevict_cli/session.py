@@ -157,6 +157,8 @@ class Session:
         room = reserve if reserve is not None else QUESTION_ROOM + settings.max_new_tokens
         plan = plan_positions(len(ids), budget, settings.chunk_size, room, self.adapter.max_positions,
                               settings.position_mode)
+        if storage is not None and plan.budget is not None:  # what the positions allow (compact mode) caps them all
+            storage = {dtype: min(entries, plan.budget) for dtype, entries in storage.items()}
         if settings.max_memory is not None:
             need = self.estimate_peak_bytes(plan.budget or len(ids), settings.chunk_size)
             if need > settings.max_memory:

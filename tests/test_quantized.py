@@ -9,7 +9,7 @@ from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import continuation_logits, token_metrics
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
-from klevict_cli.errors import ResourceError
+from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.kvc import load_kvc, packed_from_padded, save_kvc
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
@@ -292,3 +292,48 @@ def test_the_storage_whose_cache_drifts_least_is_chosen(session, monkeypatch):
     assert result.plan.budget == budgets["int8"]
     _, size = session.as_stored(result.stream, "int8")
     assert size <= limit.resolve((result.document_tokens + result.prefix_tokens) * session.bytes_per_token())
+
+
+def test_new_keys_or_values_for_a_quantized_layer_make_it_floats_first():
+    """Re-rotating keys (compact positions) assigns new keys for every entry, and a refit writes into the values: a
+    quantized layer must take them, not keep decoding its codes."""
+    layer, keys, _, _ = quantized_layer()
+    moved = layer.keys + 100
+    layer.keys = moved
+    assert layer.frozen is None and torch.equal(layer.keys, moved)
+    layer, _, _, _ = quantized_layer()
+    layer.materialize()
+    layer.values[:, :5] = 0
+    assert (layer.values[:, :5] == 0).all()
+
+
+def test_int4_needs_an_even_number_of_channels():
+    layer = packed_from_padded(torch.randn(1, 4, 3), torch.randn(1, 4, 3), torch.arange(4)[None], torch.arange(4)[None],
+                               torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(UsageError, match="use --cache-dtype int8"):
+        quantize_packed(layer, 4)
+    assert quantize_packed(layer, 8).keys.width == 3
+
+
+def test_dequantizing_for_a_bfloat16_model_rounds_once():
+    torch.manual_seed(4)
+    x = (torch.randn(2, 64, 16) + 3).bfloat16()
+    codes, steps, minima = quantize(x, 8, 32, dim=-2)
+    once = dequantize(codes, steps, minima, 8, 32, dim=-2, dtype=torch.bfloat16)
+    exact = dequantize(codes, steps, minima, 8, 32, dim=-2, dtype=torch.float32).bfloat16()
+    assert torch.equal(once, exact)
+
+
+def test_a_byte_limit_never_keeps_more_than_the_positions_allow():
+    """Compact positions (a document longer than the model's): every storage's budget is capped to what fits."""
+    from klevict_cli.options import ByteLimit
+
+    model = tiny_llama(seed=5, max_position_embeddings=160)
+    model.set_attn_implementation(ATTENTION_NAME)
+    small = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    ids = small.lm.tokenizer(TEXT * 2)["input_ids"][:400]
+    settings = ReadSettings(budget=None, method="kl", chunk_size=32, probe_window=8, max_bytes=ByteLimit(share=0.9))
+    result = small.read_tokens(ids, settings, reserve=8)
+    assert result.plan.mode == "compact"
+    assert max(result.engine.storage.values()) <= 160 - 32
+    assert max(max(counts) for counts in result.stream.cache.kept_counts()) <= result.plan.budget <= 160 - 32
