@@ -54,9 +54,10 @@ def dequantize(codes: torch.Tensor, steps: torch.Tensor, minima: torch.Tensor, b
     dim = dim % codes.dim()
     size = codes.shape[dim]
     work = torch.promote_types(dtype, torch.float32)
-    steps = steps.to(work).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
-    minima = minima.to(work).repeat_interleave(group, dim=dim).narrow(dim, 0, size)
-    return torch.addcmul(minima, codes.to(work), steps).to(dtype)
+    # each group's step and minimum broadcast over its members (nothing the size of `codes` but the result)
+    grouped = _split(_pad(codes, dim, steps.shape[dim] * group, 0), dim, group)
+    out = torch.addcmul(minima.to(work).unsqueeze(dim + 1), grouped.to(work), steps.to(work).unsqueeze(dim + 1))
+    return _merge(out, dim).narrow(dim, 0, size).to(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

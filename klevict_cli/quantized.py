@@ -103,7 +103,8 @@ class QuantizedLayerCache(LayerCache):
             return tail
         q = self.frozen[0 if name == "keys" else 1]
         decode = dequantize_keys if name == "keys" else dequantize_values
-        return torch.cat((decode(q, self._storage["valid"][:, : self.width], self.dtype), tail), dim=1)
+        loaded = decode(q, self._storage["valid"][:, : self.width], self.dtype)
+        return torch.cat((loaded, tail), dim=1) if tail.shape[1] else loaded
 
     def _set_field(self, name: str, value: torch.Tensor) -> None:
         if name in ("keys", "values"):  # new keys or values for every entry (re-rotated keys): floats from now on
