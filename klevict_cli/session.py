@@ -23,14 +23,14 @@ from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
-from klevict_cli.quantized import (
-    EXACT, GROUP, STORAGE_CHOICES, entry_bytes, head_bytes, layer_cache, packed_layers, stored_cache,
-)
 from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget, ByteLimit, format_size
 from klevict_cli.policies import POLICIES, make_policy
 from klevict_cli.probes import Reconstruction
 from klevict_cli.prompts import encode_text, frame_for, stop_ids
+from klevict_cli.quantized import (
+    EXACT, GROUP, STORAGE_CHOICES, entry_bytes, head_bytes, layer_cache, packed_layers, stored_cache,
+)
 
 QUESTION_ROOM = 256  # tokens kept free for a question when planning positions
 
