@@ -337,3 +337,25 @@ def test_a_byte_limit_never_keeps_more_than_the_positions_allow():
     assert result.plan.mode == "compact"
     assert max(result.engine.storage.values()) <= 160 - 32
     assert max(max(counts) for counts in result.stream.cache.kept_counts()) <= result.plan.budget <= 160 - 32
+
+
+def test_a_long_answer_from_a_quantized_cache_evicts_within_its_budget(session, read, tmp_path, monkeypatch):
+    """`ask` keeps a long answer within the cache's budget by evicting while it decodes: from a loaded int4 cache
+    that turns the layers into floats first and goes on."""
+    from klevict_cli.session import GenerateSettings
+
+    materialized = []
+    real = QuantizedLayerCache.materialize
+    monkeypatch.setattr(QuantizedLayerCache, "materialize",
+                        lambda self: materialized.append(self.frozen is not None) or real(self))
+
+    result, _ = read
+    result.document = Document(TEXT, "note.txt", "0" * 64)
+    path = tmp_path / "q.kvc"
+    save_kvc(path, session.cache_file(result, "int4"))
+    stream, meta = session.load(path)
+    budget = int(meta["budget_tokens"])
+    answer = session.answer(stream, "Tell me everything.", GenerateSettings(max_new_tokens=160, repetition_penalty=1.0),
+                            meta["position_mode"], method="kl", budget=budget)
+    assert answer["new_tokens"] == 160 and any(materialized)  # it evicted among the loaded entries
+    assert all(layer.frozen is not None for layer in stream.cache.layers)  # the loaded stream itself is unchanged
