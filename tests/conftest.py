@@ -52,6 +52,17 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return model
 
 
+def tiny_session(seed: int = 5, **overrides):
+    """A `Session` over `tiny_llama(seed, **overrides)` with klevict's attention set, as the commands load a model."""
+    from klevict_cli.attention import ATTENTION_NAME
+    from klevict_cli.models import LoadedModel
+    from klevict_cli.session import Session
+
+    model = tiny_llama(seed, **overrides)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def test_device():
     """KLEVICT_TEST_DEVICE=cuda runs the unit tests with every tensor they create (tiny models included) on that

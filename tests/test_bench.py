@@ -11,7 +11,6 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import (
     BenchSettings,
     Fact,
@@ -28,10 +27,8 @@ from klevict_cli.bench import (
 from klevict_cli.cli import app
 from klevict_cli.documents import Document
 from klevict_cli.errors import ResourceError, UsageError
-from klevict_cli.models import LoadedModel
 from klevict_cli.policies import POLICIES
-from klevict_cli.session import Session
-from tests.conftest import CORPUS, make_tokenizer, tiny_llama
+from tests.conftest import CORPUS, tiny_session
 
 TEXT = " ".join(CORPUS * 25)
 TIMING_KEYS = {"seconds", "time_ratio", "peak_device_bytes", "created"}  # what a rerun may change
@@ -44,9 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def session():
-    model = tiny_llama(seed=5)
-    model.set_attn_implementation(ATTENTION_NAME)
-    return Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    return tiny_session()
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import continuation_logits, token_metrics
 from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.documents import Document
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.kvc import load_kvc, packed_from_padded, save_kvc
-from klevict_cli.models import LoadedModel
 from klevict_cli.options import Budget
 from klevict_cli.quantized import QuantizedLayerCache, layer_cache, quantize_packed
-from klevict_cli.session import ReadSettings, Session
+from klevict_cli.session import ReadSettings
 from klevict_kernels.quantize import dequantize, pack_int4, quantize, unpack_int4
-from tests.conftest import make_tokenizer, tiny_llama
+from tests.conftest import tiny_session
 from tests.test_kvc import rejects, write_raw
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -127,9 +125,7 @@ def test_clone_truncate_and_eviction_keep_what_they_should():
 # ---- through the engine -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def session():
-    model = tiny_llama(seed=5)
-    model.set_attn_implementation(ATTENTION_NAME)
-    return Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    return tiny_session()
 
 
 @pytest.fixture(scope="module")
@@ -328,9 +324,7 @@ def test_a_byte_limit_never_keeps_more_than_the_positions_allow():
     """Compact positions (a document longer than the model's): every storage's budget is capped to what fits."""
     from klevict_cli.options import ByteLimit
 
-    model = tiny_llama(seed=5, max_position_embeddings=160)
-    model.set_attn_implementation(ATTENTION_NAME)
-    small = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    small = tiny_session(max_position_embeddings=160)
     ids = small.lm.tokenizer(TEXT * 2)["input_ids"][:400]
     settings = ReadSettings(budget=None, method="kl", chunk_size=32, probe_window=8, max_bytes=ByteLimit(share=0.9))
     result = small.read_tokens(ids, settings, reserve=8)

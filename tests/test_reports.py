@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from klevict_cli.attention import ATTENTION_NAME
 from klevict_cli.bench import BenchSettings, run_bench
 from klevict_cli.documents import Document
-from klevict_cli.models import LoadedModel
 from klevict_cli import results
 from klevict_cli.results import accuracy_text, md, paired_ratio, peers, wilson
-from klevict_cli.session import Session
-from tests.conftest import CORPUS, make_tokenizer, tiny_llama
+from tests.conftest import CORPUS, tiny_session
 from tests.test_cli import assert_error, assert_ok, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    model = tiny_llama(seed=5)
-    model.set_attn_implementation(ATTENTION_NAME)
-    session = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    session = tiny_session()
     settings = BenchSettings(methods=["kl", "snapkv", "streaming", "kl-layer"], budgets=["50%", "20%"], windows=3,
                              context=200, continuation=32, chunk_size=64, probe_window=8, task="both", needles=2,
                              answer_tokens=4)
@@ -218,9 +213,7 @@ def test_quantized_caches_get_a_bytes_table_and_a_frontier_plot(tmp_path):
     """quantized-TEXT-LENGTH.json (bench --cache-dtype: rows "kl <dtype>") and quantized-bytes-TEXT-LENGTH.json
     (bench --max-bytes) make the bytes section: every dtype at every kept share with its bytes, the dtypes at equal
     bytes against float16, and what --max-bytes chose against the best fixed pair within it; plus one plot."""
-    model = tiny_llama(seed=5)
-    model.set_attn_implementation(ATTENTION_NAME)
-    session = Session(LoadedModel(model, make_tokenizer(), "tiny-llama", "memory", "c", "t", "w"))
+    session = tiny_session()
     document = Document(" ".join(CORPUS * 25), "corpus.txt", "0" * 64)
     base = dict(methods=["kl"], windows=2, context=200, continuation=16, chunk_size=64, probe_window=8)
     frontier = run_bench(session, document, BenchSettings(**base, budgets=["50%", "30%", "10%"],
