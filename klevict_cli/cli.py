@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -292,28 +293,29 @@ def generate(opts: dict, session, stream, question: str, mode: str, **policy) ->
     return answer
 
 
-def parse_cache_dtypes(text: str | None) -> list[str]:
-    """bench --cache-dtype: a comma-separated list of distinct CACHE_DTYPES."""
+def parse_list(flag: str, text: str | None, parse: Callable[[str], Any], item: str) -> list:
+    """A bench option's comma-separated values, each checked by `parse` (which returns it), none twice."""
     if text is None:
         return []
-    names = [part.strip() for part in text.split(",")]
-    for name in names:
-        check_choice("cache_dtype", name, CACHE_DTYPES)
-    if len(set(names)) != len(names):
-        raise UsageError(f"invalid --cache-dtype '{text}': a dtype is listed twice")
-    return names
+    values = [parse(part) for part in text.split(",")]
+    if len(set(values)) != len(values):
+        raise UsageError(f"invalid {flag} '{text}': {item} is listed twice")
+    return values
+
+
+def parse_cache_dtypes(text: str | None) -> list[str]:
+    """bench --cache-dtype: CACHE_DTYPES."""
+    return parse_list("--cache-dtype", text, lambda part: check_choice("cache_dtype", part.strip(), CACHE_DTYPES),
+                      "a dtype")
 
 
 def parse_byte_limits(text: str | None) -> list[str]:
-    """bench --max-bytes: a comma-separated list of distinct byte limits, as given."""
-    if text is None:
-        return []
-    limits = [part.strip() for part in text.split(",")]
-    for limit in limits:
-        parse_byte_limit(limit)
-    if len(set(limits)) != len(limits):
-        raise UsageError(f"invalid --max-bytes '{text}': a limit is listed twice")
-    return limits
+    """bench --max-bytes: byte limits, as given."""
+    def limit(part: str) -> str:
+        parse_byte_limit(part)  # refuses what is not a size or a share
+        return part.strip()
+
+    return parse_list("--max-bytes", text, limit, "a limit")
 
 
 def put(piece: str) -> None:
@@ -748,19 +750,15 @@ def bench(
 
 
 def parse_tolerances(text: str | None) -> list[float]:
-    """`bench --max-kl 0.01,0.03`: positive finite numbers, none twice."""
-    if text is None:
-        return []
-    values = []
-    for part in text.split(","):
+    """`bench --max-kl 0.01,0.03`: positive finite numbers."""
+    def tolerance(part: str) -> float:
         try:
             value = float(part)
         except ValueError:
             raise UsageError(f"invalid --max-kl '{text}'; give tolerances in nats per token such as 0.01,0.03")
-        values.append(check_real("max_kl", value, value > 0, "a positive number of nats per token"))
-    if len(set(values)) != len(values):
-        raise UsageError(f"invalid --max-kl '{text}': a tolerance is listed twice")
-    return values
+        return check_real("max_kl", value, value > 0, "a positive number of nats per token")
+
+    return parse_list("--max-kl", text, tolerance, "a tolerance")
 
 
 def bench_json(result: dict) -> bytes:
