@@ -253,12 +253,13 @@ class Engine:
                 if self.reconstruction is not None:
                     self.reconstruct(stream)
                 drafted = self.drafts_for_drift(stream, logits) if final else None
+                stream.drift = None
                 if drafts:
                     requests = drafts.requests(stream.tokens, logits, self.room(stream), self.generator)
                     self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True, drafted=drafted)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final, drafted=drafted)
-                if drafted is not None:
+                if drafted is not None and stream.drift is None:  # a storage choice measured it already
                     stream.drift = self.measure_drift(self.as_stored(stream), drafted)
             elif evict:
                 self.trim_windows(stream)
@@ -408,7 +409,8 @@ class Engine:
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         elif step.final and self.chooses_storage:
             if drafted is not None:
-                stream.stored_as, budget = self._storage_within(stream, step, scores, recent, keep, targets, drafted)
+                stream.stored_as, budget, stream.drift = self._storage_within(stream, step, scores, recent, keep,
+                                                                              targets, drafted)
             else:  # no room past the read to sample a continuation: the storage with the most bits
                 budget = self.storage[stream.stored_as]
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
@@ -449,10 +451,11 @@ class Engine:
         return most
 
     def _storage_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
-                        keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int]:
+                        keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int, dict]:
         """Of the storage dtypes and the budget each gets, the one whose cache, evicted to that budget and stored,
         drifts least on the sampled continuation (the first, with more bits, on a tie): fewer entries against
-        coarser ones, judged by the KL the stored cache gives, quantization error included."""
+        coarser ones, judged by the KL the stored cache gives, quantization error included. Returns it, its budget
+        and its drift (what the stream's eviction to that budget, stored, would measure again)."""
         best = None
         for dtype, budget in self.storage.items():
             trial = stream.clone()
@@ -460,10 +463,10 @@ class Engine:
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
             trial.stored_as = dtype
             trial.cache, _ = stored_cache(trial.cache, dtype, self.device, self.dtype)
-            drift = self.measure_drift(trial, drafted)["kl"]
-            if best is None or drift < best[0]:
-                best = (drift, dtype, budget)
-        return best[1], best[2]
+            drift = self.measure_drift(trial, drafted)
+            if best is None or drift["kl"] < best[2]["kl"]:
+                best = (dtype, budget, drift)
+        return best
 
     def as_stored(self, stream: Stream) -> Stream:
         """`stream` as its cache will be stored (`stored_as`) and read back; itself when it is stored as it is."""
