@@ -62,28 +62,35 @@ def _restricted(weights: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tens
     return rows, torch.bmm(rows, inside.to(rows.dtype)[..., None]).clamp_min(1e-30)
 
 
-def restricted_attention(weights: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+def restricted_attention(weights: torch.Tensor, inside: torch.Tensor | None) -> torch.Tensor:
     """Each probe row's attention renormalised over the entries `inside` (H_kv, C) — for KVzip and KVgrad, the
-    attention sinks, the span being reconstructed and the reconstruction itself. weights (Hq, W, C) -> same."""
+    attention sinks, the span being reconstructed and the reconstruction itself; None: the rows attended to those
+    alone, so the weights are that already. weights (Hq, W, C) -> same."""
+    if inside is None:
+        return weights.float()
     rows, total = _restricted(weights, inside)
     return (rows * inside[:, None, :] / total).view(weights.shape)
 
 
-def restricted_max_attention(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
+def restricted_max_attention(weights: torch.Tensor, inside: torch.Tensor | None, judged: torch.Tensor
+                             ) -> torch.Tensor:
     """KVzip's score: the largest restricted attention (above) any probe row and query head of a group pays each
     `judged` (H_kv, C) entry inside (0 elsewhere). weights (Hq, W, C) -> (H_kv, C)."""
+    h_kv = judged.shape[0]
+    if inside is None:
+        return weights.float().view(h_kv, -1, weights.shape[-1]).amax(dim=1) * judged
     rows, total = _restricted(weights, inside)
     return (rows / total).amax(dim=1) * (judged & inside)
 
 
-def input_times_gradient(weights: torch.Tensor, inside: torch.Tensor, judged: torch.Tensor,
+def input_times_gradient(weights: torch.Tensor, inside: torch.Tensor | None, judged: torch.Tensor,
                          gradient_norms: torch.Tensor, value_norms: torch.Tensor) -> torch.Tensor:
     """KVgrad's score: max over probe rows p and the query heads h of a group of A_hpc · ‖W_O^h v_c‖ · ‖∂Φ/∂a_p‖,
     A the restricted attention (above) — what entry c writes into the residual stream at p, times how much the
     objective depends on that stream. weights (Hq, W, C); gradient_norms (W,); value_norms (Hq, C) -> (H_kv, C)."""
     w = restricted_attention(weights, inside)
     per_head = (w * gradient_norms.float()[None, :, None]).amax(dim=1) * value_norms.float()  # (Hq, C)
-    return per_head.view(inside.shape[0], -1, per_head.shape[-1]).amax(dim=1) * judged
+    return per_head.view(judged.shape[0], -1, per_head.shape[-1]).amax(dim=1) * judged
 
 
 def copy_attention(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float,

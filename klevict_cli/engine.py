@@ -315,7 +315,7 @@ class Engine:
 
     def eviction_step(self, stream: Stream, ctx: ForwardContext, logits: torch.Tensor | None, w: int,
                       final: bool = False, judged: tuple[int, int] | None = None, budget: int | None = None,
-                      appended: int = 0, recent: int = 0) -> EvictionStep:
+                      appended: int = 0, recent: int = 0, restricted: bool = False) -> EvictionStep:
         """What policies may read about the last `w` tokens (the probes) of the forward that produced `ctx`; the
         eviction keeps the `recent` last tokens read (not counting the `appended` probe tokens) whatever the
         scores."""
@@ -331,6 +331,7 @@ class Engine:
             generator=self.generator,
             final=final,
             judged=judged,
+            restricted=restricted,
             read_end=read_end,
             kept_fraction=self.kept_fraction(read_end, budget),
             budget=budget,
@@ -590,7 +591,8 @@ class Engine:
         requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.adapter.max_positions + shift)
         for probe_set in self.probe_sets(stream, requests):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
-                                      judged=probe_set.judged, appended=probe_set.appended)
+                                      judged=probe_set.judged, appended=probe_set.appended,
+                                      restricted=probe_set.restricted)
             self.policy.absorb_reconstruction(step, scored)
         stream.reconstructed = stream.next_position
 
@@ -606,9 +608,9 @@ class Engine:
         latest = self.adapter.max_positions - len(request.ids)
         if stream.next_rope <= latest:
             return stream.next_rope
-        if not request.sees_only or request.entries is None or latest < 0:
+        if request.attends is None or latest < 0:
             return None
-        seen = [layer.rope_positions.masked_fill(~(request.entries(layer) & layer.valid), -1).max()
+        seen = [layer.rope_positions.masked_fill(~(request.attends(layer) & layer.valid), -1).max()
                 for layer in stream.cache.layers if layer.capacity]
         return latest if not seen or int(torch.stack(seen).max()) < latest else None  # one host sync
 
@@ -627,12 +629,12 @@ class Engine:
                 return
             logits, ctx = self.forward(stream, request.ids, probe_rows=request.rows, logits_rows=request.logits_rows,
                                        probe_entries=request.entries,
-                                       attend_entries=request.entries if request.sees_only else None, probing=True,
+                                       attend_entries=request.attends, probing=True,
                                        rope_start=start)
             try:
                 if request.scored:  # the rows' logits, where the source asked for them all
                     yield ProbeSet(ctx, logits if request.logits_rows >= request.rows else None, len(request.ids),
-                                   request.rows, request.judged)
+                                   request.rows, request.judged, restricted=request.attends is not None)
             finally:  # also when the caller stops early
                 self.forget_drafts(stream, len(request.ids))
 

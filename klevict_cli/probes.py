@@ -31,16 +31,16 @@ REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting wi
 class ProbeRequest:
     """One forward a probe source asks for: `ids` appended at the stream's end (at its next rotary positions, or
     earlier where those run out and the request sees only some entries: Engine.place), recording the statistics of
-    the last `rows` of them — their attention over the entries `entries(layer)` marks (None: all), and with
-    `sees_only`, attending to those entries alone — and returning the logits of the last `logits_rows`. `scored`:
-    the policy judges the cache by these rows (False: a draft's intermediate round, whose logits only the source
-    reads)."""
+    the last `rows` of them — their attention over the entries `entries(layer)` marks (None: all) — and returning
+    the logits of the last `logits_rows`. With `attends`, the tokens attend only to the cached entries it marks
+    (and to each other). `scored`: the policy judges the cache by these rows (False: a draft's intermediate round,
+    whose logits only the source reads)."""
 
     ids: list[int]
     rows: int = 0
     logits_rows: int = 1
     entries: Callable | None = None
-    sees_only: bool = False
+    attends: Callable | None = None
     judged: tuple[int, int] | None = None  # the positions [lo, hi) whose entries the rows judge; None: all
     scored: bool = True
 
@@ -57,6 +57,7 @@ class ProbeSet:
     appended: int  # tokens appended (forgotten once the set is scored)
     rows: int  # probe rows: the last `rows` appended tokens
     judged: tuple[int, int] | None = None  # the positions [lo, hi) whose entries this set judges; None: all
+    restricted: bool = False  # a re-reading that attended to the sinks, its span and itself alone (Reconstruction)
 
 
 class Drafts:
@@ -111,7 +112,10 @@ class Reconstruction:
     of the span before, so that the model knows where to resume; `suffix` opens the answer (the chat frame's
     assistant header). `sees`: "all" — the re-reading attends to the whole cache (KVzip); "span" — only to the
     attention sinks and the span being re-read (and itself), which costs a span's attention instead of the cache's
-    and judges the span's entries by what copying the span needs of them alone."""
+    and judges the span's entries by what copying the span needs of them alone. Its attention is then KVzip's
+    restricted softmax as the forward computed it, so only the span's entries are recorded (the sinks and the
+    re-reading's own tokens, about half the columns, are needed only to normalise the softmax of a re-reading that
+    sees everything)."""
 
     def __init__(self, first: list[int], later: list[int], suffix: list[int], span: int = 128, overlap: int = 8,
                  sees: str = "all"):
@@ -142,23 +146,29 @@ class Reconstruction:
         engine stops at the first that fits nowhere in the model's positions: Engine.place). A span re-read against
         itself alone must sit after itself and before `limit` (the model's positions, in the tokens' own numbering);
         near it, spans are cut shorter so that each does, and the document's last tokens are re-read too."""
-        end = len(tokens)
+        end, alone = len(tokens), self.sees == "span"  # alone: KVzip's restricted softmax is the forward's own
         for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
             while lo < hi:
                 prompt = (self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]) + self.suffix
                 cut = hi
-                if limit is not None and self.sees == "span":  # placed at limit - n >= cut, n = len(prompt) + cut - lo
+                if limit is not None and alone:  # placed at limit - n >= cut, n = len(prompt) + cut - lo
                     cut = min(hi, (limit - len(prompt) + lo) // 2)
                     if cut <= lo:
                         return
                 yield ProbeRequest(prompt + tokens[lo:cut], rows=cut - lo, judged=(lo, cut),
-                                   entries=functools.partial(_span_entries, lo, cut, end),
-                                   sees_only=self.sees == "span")
+                                   entries=functools.partial(_span_entries, lo, cut, sinks=0 if alone else SINKS,
+                                                             end=None if alone else end),
+                                   attends=functools.partial(_span_entries, lo, cut, sinks=SINKS) if alone else None)
                 lo = cut
 
 
-def _span_entries(lo: int, hi: int, end: int, layer) -> torch.Tensor:
-    """The entries a reconstruction of [lo, hi) needs recorded: the attention sinks, the span, and the re-reading
-    itself (positions from `end`, where the read stopped)."""
+def _span_entries(lo: int, hi: int, layer, sinks: int = 0, end: int | None = None) -> torch.Tensor:
+    """The valid entries of the span [lo, hi), with the attention sinks (the first `sinks` positions, when given)
+    and with the re-reading itself (positions from `end`, where the read stopped, when given)."""
     p = layer.positions
-    return layer.valid & ((p < SINKS) | ((p >= lo) & (p < hi)) | (p >= end))
+    marked = (p >= lo) & (p < hi)
+    if sinks:
+        marked |= p < sinks
+    if end is not None:
+        marked |= p >= end
+    return layer.valid & marked

@@ -25,8 +25,8 @@ def model():
     return tiny_llama(seed=3)
 
 
-def reconstruction(span: int = 16) -> Reconstruction:
-    return Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=span, overlap=3)
+def reconstruction(span: int = 16, sees: str = "all") -> Reconstruction:
+    return Reconstruction(first=[7, 8, 9], later=[10, 11], suffix=[12], span=span, overlap=3, sees=sees)
 
 
 class Spy(KL):
@@ -116,12 +116,12 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     (lo, hi), n = request.judged, len(request.ids)
     start = engine.place(stream, request)
     assert start == 96 - n < stream.next_rope and start > hi
-    at_the_edge = ProbeRequest(request.ids + [5] * (start - hi), entries=request.entries, sees_only=True)
+    at_the_edge = ProbeRequest(request.ids + [5] * (start - hi), attends=request.attends)
     assert engine.place(stream, at_the_edge) == hi  # right after the last entry it sees
-    assert engine.place(stream, ProbeRequest(at_the_edge.ids + [5], entries=request.entries, sees_only=True)) is None
+    assert engine.place(stream, ProbeRequest(at_the_edge.ids + [5], attends=request.attends)) is None
     seen = torch.tensor(list(range(SINKS)) + list(range(lo, hi)))
     with torch.inference_mode():
-        logits, _ = engine.forward(stream, request.ids, logits_rows=n, attend_entries=request.entries, probing=True,
+        logits, _ = engine.forward(stream, request.ids, logits_rows=n, attend_entries=request.attends, probing=True,
                                    rope_start=start)
         engine.forget_drafts(stream, n)
         full, cache = DynamicCache(), DynamicCache()
@@ -133,7 +133,7 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
                                   cache_position=torch.arange(len(seen), len(seen) + n)).logits[0]
     assert (logits - expected).abs().max().item() <= 1e-4
     assert stream.tokens == ids and stream.next_rope == 80
-    late = ProbeRequest(request.ids, entries=lambda layer: layer.valid, sees_only=True)  # sees up to position 79
+    late = ProbeRequest(request.ids, attends=lambda layer: layer.valid)  # sees up to position 79
     assert engine.place(stream, late) is None
     assert engine.place(stream, ProbeRequest(request.ids)) is None  # the whole cache, from after it: no room
     judged = [probe_set.judged for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0))]
@@ -142,6 +142,42 @@ def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_
     judged = [probe_set.judged for probe_set in engine.probe_sets(stream, source.requests(stream.tokens, 0, 96))]
     assert judged == [(1, 16), (16, 32), (32, 48), (48, 64), (64, 77), (77, 80)]
     assert [s.judged for s in engine.probe_sets(stream, reconstruction(span=16).requests(stream.tokens, 0))] == []
+
+
+def test_a_span_re_reading_records_its_span_alone_and_scores_as_kvzip_normalises(model):
+    """A re-reading that attends to the sinks, its span and itself alone records its attention over the span only
+    (about half the columns it attends to): there it is KVzip's restricted softmax already, so the scores equal
+    those of recording every column it attends to and renormalising over them."""
+    import dataclasses
+    import functools
+
+    from klevict_cli.policies.base import reconstruction_columns, spread
+    from klevict_cli.probes import SINKS, _span_entries
+
+    ids = torch.randint(0, 300, (70,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=0), budget=None, chunk_size=32)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    compared = 0
+    for request in reconstruction(span=16, sees="span").requests(stream.tokens, 0):
+        lo, hi = request.judged
+        every = dataclasses.replace(request, entries=functools.partial(_span_entries, lo, hi, sinks=SINKS, end=70))
+        scores = []
+        for asked in (request, every):
+            for probe_set in engine.probe_sets(stream, (r for r in [asked])):
+                assert probe_set.restricted
+                step = engine.eviction_step(stream, probe_set.ctx, None, probe_set.rows, judged=probe_set.judged,
+                                            appended=probe_set.appended, restricted=asked is request)
+                layer = step.cache.layers[1]
+                columns, inside, judged = reconstruction_columns(step, 1)
+                assert (inside is None) == (asked is request)
+                width = hi - lo if asked is request else len(set(range(SINKS)) | set(range(lo, hi))) + len(asked.ids)
+                assert step.probes[1].weights.shape[-1] == width
+                scores.append(spread(layer, columns, restricted_max_attention(step.probes[1].weights, inside, judged)))
+        torch.testing.assert_close(scores[0], scores[1], rtol=1e-5, atol=1e-7)
+        assert (scores[0] > 0).sum() == layer.valid.shape[0] * (hi - lo)  # each head's span entries, nothing else
+        compared += 1
+    assert compared == 4 and stream.tokens == ids
 
 
 @pytest.mark.parametrize("lo, hi", [(1, 2), (1, 9), (1, 24), (1, 25), (5, 70), (1, 4097), (300, 812)])

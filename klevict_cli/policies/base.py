@@ -30,6 +30,9 @@ class EvictionStep:
     generator: torch.Generator | None = None
     final: bool = False  # the last eviction of a read: what remains is what questions will see
     judged: tuple[int, int] | None = None  # only entries at positions [lo, hi) are judged (reconstruction probes)
+    # the reconstruction probes attended to the sinks, the span and themselves alone: their weights are KVzip's
+    # restricted softmax already (and were recorded over the span only)
+    restricted: bool = False
     read_end: int | None = None  # the tokens read: entries from this position on are appended probes (drafts, a re-reading)
     kept_fraction: float | None = None  # the budget over the tokens read so far (how much of the document survives)
     budget: int | None = None  # entries per head (on average) the eviction keeps
@@ -184,14 +187,18 @@ def judged_mask(layer: LayerCache, judged: tuple[int, int] | None) -> torch.Tens
     return layer.valid & (layer.positions >= judged[0]) & (layer.positions < judged[1])
 
 
-def reconstruction_columns(step: EvictionStep, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reconstruction_columns(step: EvictionStep, layer_idx: int
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """For a reconstruction probe set (`step.judged` is the span re-read): the (H_kv, n) columns its attention was
     recorded over, which of them it attends to in KVzip's restricted softmax (the attention sinks, the span and the
-    re-reading itself), and which of them it judges (the span)."""
+    re-reading itself; None where the re-reading attended to those alone, so that its weights are that softmax
+    already: `step.restricted`), and which of them it judges (the span)."""
     layer, probe = step.cache.layers[layer_idx], step.probes[layer_idx]
     columns, present = probe.entries(layer)
     positions = layer.positions.gather(1, columns)
     judged = present & (positions >= step.judged[0]) & (positions < step.judged[1])
+    if step.restricted:
+        return columns, None, judged
     inside = present & ((positions < SINKS) | judged | (positions >= step.read_end))
     return columns, inside, judged
 
