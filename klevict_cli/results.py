@@ -13,6 +13,8 @@ import random
 import shlex
 from pathlib import Path
 
+from klevict_cli.packaged import DEFAULT_MODEL
+
 SUBJECT = "kl"
 # kl as `summarize` reads (look-ahead probes) and as `compress` reads (and re-reading probes): each is compared with
 # the best of the other methods.
@@ -342,15 +344,15 @@ def headline(paths: list[Path], parts: list[dict], link: str) -> list[str]:
     ]
 
 
-def length_groups(results: dict[Path, dict]) -> dict[int, list[Path]]:
-    """The length sweep's results (`benchmarks/lengths.sh`: files named lengths-TEXT-LENGTH.json, fidelity with kl,
-    kl-reconstruct and peers), grouped by context length."""
-    groups: dict[int, list[Path]] = {}
+def length_groups(results: dict[Path, dict]) -> dict[tuple[int, str], list[Path]]:
+    """The length sweep's results (`benchmarks/lengths.sh`: files named lengths-TEXT-LENGTH[-MODEL].json, fidelity
+    with kl, kl-reconstruct and peers), grouped by context length and model (the default model's first)."""
+    groups: dict[tuple[int, str], list[Path]] = {}
     for path, result in sorted(results.items()):
         rows = result.get("fidelity", {}).get("results", {})
         if path.name.startswith("lengths-") and all(m in rows for m in SUBJECTS) and peers(rows):
-            groups.setdefault(result["settings"]["context"], []).append(path)
-    return dict(sorted(groups.items()))
+            groups.setdefault((result["settings"]["context"], result["settings"]["model"]), []).append(path)
+    return dict(sorted(groups.items(), key=lambda item: (item[0][1] != DEFAULT_MODEL, item[0][1], item[0][0])))
 
 
 def length_table(results: dict[Path, dict]) -> list[str]:
@@ -360,13 +362,13 @@ def length_table(results: dict[Path, dict]) -> list[str]:
     if not groups:
         return ["No length-sweep results are committed yet (`benchmarks/lengths.sh`)."]
     body = []
-    for length, paths in groups.items():
+    for (length, model), paths in groups.items():
         result = pool([results[p] for p in paths])
         fid = result["fidelity"]
         rows = fid["results"]
         for b in budgets(result):
             other = best_peer(fid, b)
-            cells = [f"{length:,}", md(b)]
+            cells = [f"{length:,}" + ("" if model == DEFAULT_MODEL else f" ({md(model)})"), md(b)]
             for subject in SUBJECTS:
                 p = paired_ratio(rows[subject][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
                 cells += [pm(rows[subject][b]["kl"]), f"{ratio_text(p)}, {p['better']} of {p['windows']}"]
@@ -376,7 +378,8 @@ def length_table(results: dict[Path, dict]) -> list[str]:
                   "best other"], body) + [
         "", "KL in nats per token (mean ± 95 % over windows); ratios paired per window (geometric mean, 95 % "
         "bootstrap interval, windows where the kl reading is lower). Texts: " + ", ".join(f"`{md(t)}`" for t in texts)
-        + "; files: " + ", ".join(f"`{p.as_posix()}`" for ps in groups.values() for p in ps) + "."]
+        + f"; model {md(DEFAULT_MODEL)} unless named; files: "
+        + ", ".join(f"`{p.as_posix()}`" for ps in groups.values() for p in ps) + "."]
 
 
 # ---- bytes: fewer entries or fewer bits (benchmarks/quantized.sh) ------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from klevict_cli.bench import BenchSettings, run_bench
 from klevict_cli.documents import Document
 from klevict_cli import results
+from klevict_cli.packaged import DEFAULT_MODEL
 from klevict_cli.results import accuracy_text, md, paired_ratio, peers, wilson
 from tests.conftest import CORPUS, tiny_session
 from tests.test_cli import assert_error, assert_ok, invoke
@@ -185,8 +186,9 @@ def test_bench_plot_needs_a_known_format(tmp_path):
 
 
 def test_the_length_sweep_gets_a_table_of_its_own_and_stays_out_of_the_headline(tmp_path, result):
-    """lengths-TEXT-LENGTH.json files (benchmarks/lengths.sh) make the quality-against-length table: one row per
-    context length and budget, the texts of a length pooled; the README's headline keeps to the other results."""
+    """lengths-TEXT-LENGTH[-MODEL].json files (benchmarks/lengths.sh) make the quality-against-length table: one row
+    per context length, model and budget, the texts of a length pooled, the default model's rows first and other
+    models named; the README's headline keeps to the other results."""
     sweep = json.loads(json.dumps(result))
     del sweep["needle"]  # the sweep measures fidelity only
     fid = sweep["fidelity"]["results"]
@@ -194,12 +196,17 @@ def test_the_length_sweep_gets_a_table_of_its_own_and_stays_out_of_the_headline(
     for row in fid["kl-reconstruct"].values():
         row["per_window"]["kl"] = [3 * x for x in row["per_window"]["kl"]]
         results.resummarise(row)
+    sweep["settings"]["model"] = DEFAULT_MODEL
     longer = json.loads(json.dumps(sweep))
     longer["settings"]["context"] = 400
-    root = tree(tmp_path, {"plain.json": result, "lengths-corpus-200.json": sweep, "lengths-corpus-400.json": longer})
+    other = json.loads(json.dumps(sweep))
+    other["settings"]["model"] = "gemma3-270m"
+    root = tree(tmp_path, {"plain.json": result, "lengths-corpus-200.json": sweep, "lengths-corpus-400.json": longer,
+                           "lengths-corpus-200-gemma3-270m.json": other})
     assert make_tables.main(["--root", str(root)]) == 0
     table = generated(root, "docs/benchmarks.md", make_tables.LENGTHS)
     assert table.count("\n| 200 | ") == 2 and table.count("\n| 400 | ") == 2  # 50 % and 20 % at each length
+    assert table.count("\n| 200 (gemma3-270m) | ") == 2 and table.index("| 400 |") < table.index("(gemma3-270m)")
     best = min(("snapkv", "streaming"), key=lambda m: fid[m]["20%"]["kl"]["mean"])
     ratio = paired_ratio(fid["kl"]["20%"]["per_window"]["kl"], fid[best]["20%"]["per_window"]["kl"])
     assert f"{ratio['ratio']:.3f}" in table.split("\n| 200 | 20% |")[1].split("\n")[0]
