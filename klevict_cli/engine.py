@@ -250,8 +250,8 @@ class Engine:
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
                                        logits_rows=drafts.read_rows(len(chunk)) if drafts else None)
             if must_evict:
-                if self.reconstruction is not None:
-                    self.reconstruct(stream)
+                if self.reconstruction is not None:  # the recent window is kept unless drafts judge it
+                    self.reconstruct(stream, kept=0 if drafts else recent)
                 drafted = self.drafts_for_drift(stream, logits) if final else None
                 stream.drift = None
                 if drafts:
@@ -582,19 +582,23 @@ class Engine:
                                                    appended, self.policy.refit_ridge, held=layer.valid[:, :c])
 
     @torch.inference_mode()
-    def reconstruct(self, stream: Stream) -> None:
+    def reconstruct(self, stream: Stream, kept: int = 0) -> None:
         """Judge the entries read since the last time by reconstruction probes (probes.Reconstruction): the policy
-        keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`)."""
+        keeps what it learns in per-entry state that travels with the entries (`Policy.absorb_reconstruction`). The
+        last `kept` tokens read are kept by the eviction whatever their scores (its recent window): they are not
+        re-read now, but by the next re-reading, if one comes."""
         scored = list(self._scored_layers(stream))
         # the tokens read since the last eviction sit at their position less this many rotary positions (compact mode)
         shift = stream.next_position - stream.next_rope
-        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.adapter.max_positions + shift)
+        stop = stream.next_position - kept
+        requests = self.reconstruction.requests(stream.tokens, stream.reconstructed, self.adapter.max_positions + shift,
+                                                stop)
         for probe_set in self.probe_sets(stream, requests):
             step = self.eviction_step(stream, probe_set.ctx, probe_set.logits, probe_set.rows,
                                       judged=probe_set.judged, appended=probe_set.appended,
                                       restricted=probe_set.restricted)
             self.policy.absorb_reconstruction(step, scored)
-        stream.reconstructed = stream.next_position
+        stream.reconstructed = max(stream.reconstructed, stop)
 
     def room(self, stream: Stream) -> int:
         """Tokens that can still be appended to the stream within the model's positions."""

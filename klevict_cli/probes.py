@@ -141,13 +141,15 @@ class Reconstruction:
         bounds = [lo + (hi - lo) * k // count for k in range(count + 1)]
         return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    def requests(self, tokens: list[int], start: int, limit: int | None = None) -> Requests:
-        """Re-read `tokens` (the document read so far) from position `start` to its end, one span per request (the
-        engine stops at the first that fits nowhere in the model's positions: Engine.place). A span re-read against
-        itself alone must sit after itself and before `limit` (the model's positions, in the tokens' own numbering);
-        near it, spans are cut shorter so that each does, and the document's last tokens are re-read too."""
+    def requests(self, tokens: list[int], start: int, limit: int | None = None, stop: int | None = None
+                 ) -> Requests:
+        """Re-read `tokens` (the document read so far) from position `start` to `stop` (default: its end), one span
+        per request (the engine stops at the first that fits nowhere in the model's positions: Engine.place). A span
+        re-read against itself alone must sit after itself and before `limit` (the model's positions, in the tokens'
+        own numbering); near it, spans are cut shorter so that each does, and the document's last tokens are re-read
+        too."""
         end, alone = len(tokens), self.sees == "span"  # alone: KVzip's restricted softmax is the forward's own
-        for lo, hi in self.spans(max(start, 1), end):  # position 0 (BOS or the first token) is never re-read
+        for lo, hi in self.spans(max(start, 1), end if stop is None else stop):  # position 0 (BOS or the first token) is never re-read
             while lo < hi:
                 prompt = (self.first if lo <= 1 else self.later + tokens[max(1, lo - self.overlap) : lo]) + self.suffix
                 cut = hi

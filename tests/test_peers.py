@@ -89,6 +89,46 @@ def test_reconstruction_probes_leave_no_trace_and_judge_each_span_once(model):
         assert all(torch.equal(getattr(layer, f), old) for f, old in zip(FIELDS, saved))
 
 
+class RereadSpy(KL):
+    """kl that records the spans each re-reading judged, and the recent window of each eviction."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.spans: list[tuple[int, int]] = []
+        self.recent: list[range] = []
+
+    def absorb_reconstruction(self, step, layer_ids):
+        self.spans.append(step.judged)
+        super().absorb_reconstruction(step, layer_ids)
+
+    def score_layers(self, step, layer_ids):
+        self.recent.append(step.recent)
+        return super().score_layers(step, layer_ids)
+
+
+@pytest.mark.parametrize("lookahead", [0, 4])
+def test_a_re_reading_skips_the_recent_window_the_eviction_keeps_anyway_until_it_may_go(model, lookahead):
+    """Without drafts every eviction keeps its last tokens read whatever the scores: they are not re-read then, but
+    by the next eviction's re-reading (they may go then); drafts judge the last tokens too, so those are re-read."""
+    ids = torch.randint(0, 300, (150,)).tolist()
+    policy = RereadSpy(lookahead=lookahead)
+    engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=32, probe_window=8, working=60,
+                    reconstruction=reconstruction(span=16))
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    ends = [hi for _, hi in policy.spans]
+    starts = [lo for lo, _ in policy.spans]
+    assert starts[0] == 1 and all(a == b for a, b in zip(ends, starts[1:]))  # every position once, in order
+    kept = [window for window in policy.recent if len(window)]
+    assert len(kept) >= 3 and all(len(window) == 8 for window in kept[:-1])
+    assert all(window.start in ends for window in kept[:-1])  # re-read up to each eviction's recent window
+    if lookahead:  # the drafts judge the last choice (it keeps the last token only): the whole document is re-read
+        assert kept[-1] == range(149, 150) and ends[-1] == 150
+    else:
+        assert kept[-1] == range(142, 150) and ends[-1] == 142
+    assert stream.tokens == ids
+
+
 @pytest.mark.parametrize("split", [True, False])  # the CPU's past-then-chunk attention, and the masked one
 def test_a_span_re_read_where_the_positions_run_out_sits_after_it_and_sees_what_it_would_at_the_end(split,
                                                                                                     monkeypatch):
@@ -211,7 +251,8 @@ def test_kl_with_reconstruction_keeps_what_the_re_reading_paid_attention_to(mode
                     reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    assert stream.reconstructed == 90 and stream.tokens == ids and engine.held_per_head(stream) == 20
+    # re-read up to the recent window the last choice keeps anyway (no drafts judge a choice that keeps 22 %)
+    assert stream.reconstructed == 90 - 8 and stream.tokens == ids and engine.held_per_head(stream) == 20
     for layer in stream.cache.layers:
         stored = layer.extras[KL.QUESTION_EXTRA]
         assert stored.shape == layer.valid.shape and (stored[layer.valid] > 0).any()
@@ -314,7 +355,7 @@ def test_kvzip_reconstructs_as_it_reads_keeps_the_sinks_and_its_budget(model):
                     working=0, reconstruction=reconstruction())
     stream = engine.new_stream()
     engine.feed(stream, ids)
-    assert stream.tokens == ids and stream.reconstructed == 100
+    assert stream.tokens == ids and stream.reconstructed == 96  # not the recent window kept anyway (the last chunk)
     assert engine.held_per_head(stream) == 24
     for layer in stream.cache.layers:
         for h in range(layer.keys.shape[0]):
