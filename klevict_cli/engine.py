@@ -24,6 +24,7 @@ from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, 
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
 from klevict_cli.quantized import stored_cache
 from klevict_cli.sampling import penalise_repeats, sample
+from klevict_cli.tolerance import smallest_within
 from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
 
@@ -259,7 +260,7 @@ class Engine:
                     self.evict_with(stream, self.probe_sets(stream, requests), recent, final=True, drafted=drafted)
                 else:
                     self.evict(stream, ctx, logits, recent, final=final, drafted=drafted)
-                if drafted is not None and stream.drift is None:  # a storage choice measured it already
+                if drafted is not None and stream.drift is None:  # a tolerance or storage choice measured it
                     stream.drift = self.measure_drift(self.as_stored(stream), drafted)
             elif evict:
                 self.trim_windows(stream)
@@ -406,7 +407,7 @@ class Engine:
                 drafted: Continuation | None) -> None:
         """`_keep_best`, at the budget the tolerance allows where the read's last eviction is under `max_kl`."""
         if step.final and self.max_kl is not None and drafted is not None:
-            budget = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
+            budget, stream.drift = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         elif step.final and self.chooses_storage:
             if drafted is not None:
@@ -427,29 +428,41 @@ class Engine:
         return self.policy.at_budget(at, dict(scores)), targets if refit else None
 
     def _budget_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
-                       keep: range, targets: dict | None, drafted: Continuation) -> int:
+                       keep: range, targets: dict | None, drafted: Continuation) -> tuple[int, dict | None]:
         """The smallest budget (entries per head, within the engine's budget if it has one) whose cache drifts at
-        most `max_kl` on the sampled continuation, by bisection to 5 % of the largest: each budget tried is an
-        eviction of a copy of the stream and one forward of the continuation. The largest, where even it drifts
-        further."""
+        most `max_kl` on the sampled continuation, to 5 % of it (tolerance.smallest_within): each budget measured is
+        an eviction of a copy of the stream and one forward of the continuation; the next one is placed by the
+        summed scores of what each budget would evict, which cost no forward. The largest, where even it drifts
+        further. Returns it and its drift as measured (what the stream's eviction to it would measure again; None
+        where it was not measured)."""
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, sink_count(most) + recent + 1)
+        held = LayerStack.of(self._scored_layers(stream))
+        budget_free = held.stack(scores).clamp(min=0).masked_fill(~held.valid, 0)
+        evicted: dict[int, float] = {}
+
+        def predicted(budget: int) -> float:
+            if budget not in evicted:
+                at_budget, _ = self._at_budget(stream, step, scores, recent, budget, None)
+                kept = self._keep_masks(stream, at_budget, recent, budget, keep, held)
+                evicted[budget] = float(budget_free.masked_fill(kept, 0).sum())
+            return evicted[budget]
+
+        measured: dict[int, dict] = {}
 
         def drifts(budget: int) -> float:
             trial = stream.clone()
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
-            return self.measure_drift(self.as_stored(trial), drafted)["kl"]
+            measured[budget] = self.measure_drift(self.as_stored(trial), drafted)
+            return measured[budget]["kl"]
 
-        if drifts(most) > self.max_kl:
-            return most
-        while most - least > max(1, most // 20):
-            middle = (least + most) // 2
-            if drifts(middle) <= self.max_kl:
-                most = middle
-            else:
-                least = middle
-        return most
+        # a cache that keeps every entry held, with its values as they are (a refit over the whole softmax changes
+        # nothing), stored as it is, drifts 0: nothing to measure
+        full = int(held.valid.sum(dim=-1).max())
+        unchanged = most >= full and (self.head_cap is None or self.head_cap >= full) and stream.stored_as is None
+        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
+        return budget, measured.get(budget)
 
     def _storage_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                         keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int, dict]:
@@ -534,30 +547,36 @@ class Engine:
             out[i] = (weights, output, appended)
         return out
 
+    def _keep_masks(self, stream: Stream, scores: Mapping[int, torch.Tensor], recent: int, budget: int,
+                    keep: range, stack: LayerStack) -> torch.Tensor:
+        """(L, H, C) masks over the scored layers' `stack`: the best-scoring entries within `budget`, with the `recent`
+        last tokens, the attention sinks and the positions in `keep`."""
+        scored = self._scored_layers(stream)
+        w, sinks = min(recent, stream.next_position), sink_count(budget)
+        p = stack.positions
+        # a sliding layer (scored only when every layer slides) sees no sink beyond its window
+        layer_sinks = torch.tensor([sinks if layer.window is None else 0 for layer in scored.values()],
+                                   device=p.device)
+        protect = (in_floor(p, layer_sinks[:, None, None], range(stream.next_position - w, stream.next_position))
+                   | ((p >= keep.start) & (p < keep.stop)))
+        if self.policy.allocation == "global":
+            return select_global(stack, stack.stack(scores), budget, protect, min_per_head=w,
+                                 max_per_head=self.head_cap)
+        budgets = self.policy.layer_budgets(budget, self.adapter.num_layers, min(budget, sinks + w))
+        return pad_stack([select_keep(layer, scores[i], budgets[i] if budgets else budget,
+                                      protect[n, :, : layer.capacity])
+                          for n, (i, layer) in enumerate(scored.items())], fill=False)
+
     def _keep_best(self, stream: Stream, scores: Mapping[int, torch.Tensor], recent: int, budget: int | None,
                    keep: range = range(0), targets: dict | None = None, stack: LayerStack | None = None) -> None:
         """Keep the best-scoring entries of the scored layers within `budget` (and the `recent` last tokens and the
-        positions in `keep`), refit the kept values to `targets` if any; all layers at once (`stack`: the scored
-        layers' `LayerStack`, if the caller has it)."""
+        positions in `keep`: `_keep_masks`), refit the kept values to `targets` if any; all layers at once (`stack`:
+        the scored layers' `LayerStack`, if the caller has it)."""
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
-            w, sinks = min(recent, stream.next_position), sink_count(budget)
             stack = LayerStack.of(scored) if stack is None else stack
-            p = stack.positions
-            # a sliding layer (scored only when every layer slides) sees no sink beyond its window
-            layer_sinks = torch.tensor([sinks if layer.window is None else 0 for layer in scored.values()],
-                                       device=p.device)
-            protect = (in_floor(p, layer_sinks[:, None, None], range(stream.next_position - w, stream.next_position))
-                       | ((p >= keep.start) & (p < keep.stop)))
-            if self.policy.allocation == "global":
-                masks = select_global(stack, stack.stack(scores), budget, protect, min_per_head=w,
-                                      max_per_head=self.head_cap)
-            else:
-                budgets = self.policy.layer_budgets(budget, self.adapter.num_layers, min(budget, sinks + w))
-                masks = pad_stack([select_keep(layer, scores[i], budgets[i] if budgets else budget,
-                                               protect[n, :, : layer.capacity])
-                                   for n, (i, layer) in enumerate(scored.items())], fill=False)
+            masks = self._keep_masks(stream, scores, recent, budget, keep, stack)
             if targets:
                 for layer in scored.values():
                     layer.materialize()  # the refit writes into the values

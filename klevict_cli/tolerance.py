@@ -1,0 +1,82 @@
+"""The budget a tolerance allows (`--max-kl`): the smallest cache whose measured drift is within it, found with as
+few measurements as the policy's own scores allow.
+
+Each budget tried costs an eviction of a copy of the stream, its refit and a forward of the sampled continuation, so
+the search is guided by what is free: the scores of the entries an eviction to a budget would drop, summed
+(`predicted`). Summed single-removal scores are not the drift (removals interact), but on the tuning windows they
+move with it over three orders of magnitude (the measured drift was 0.28-0.60x the summed KL scores, 10-90 %, for
+`kl`), so a power law fitted to the budgets already measured, drift = c * predicted^beta, places the next trial near
+the crossing. Where the prediction is poor the bracket still shrinks: the guarantee is the measurements', never the
+prediction's (docs/method.md, "Budgets in nats")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+PRECISION = 20  # the search stops once the bracket is within 1/PRECISION of the budget returned (5 %)
+# Drift over summed scores where nothing is measured yet: the median on the 512-token tuning windows (`kl`, both
+# texts); it only places the first trial.
+PRIOR_RATIO = 0.4
+
+
+def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], float], least: int, most: int,
+                    tolerance: float, known: float | None = None) -> tuple[int, int]:
+    """The smallest budget in (least, most] whose `drift` is at most `tolerance`, to within 5 % of it: the budget
+    returned was measured within the tolerance (or is `most`, known to drift `known`, without a measurement), and a
+    budget at most 5 % smaller (or `least`) was measured beyond it or is the floor. `most` when even it drifts
+    further. `predicted(budget)`: a free guess that falls as the budget grows. Returns (budget, measurements)."""
+    measured: dict[int, float] = {}
+
+    def measure(budget: int) -> float:
+        measured[budget] = drift(budget)
+        return measured[budget]
+
+    if (known if known is not None else measure(most)) > tolerance:
+        return most, len(measured)
+    lo, hi = least, most
+    sides: list[bool] = []  # each measurement's: within the tolerance or not
+    while hi - lo > max(1, hi // PRECISION):
+        if len(sides) >= 4 and len(set(sides[-4:])) == 1:  # four guesses on one side: the guide misleads
+            guess = (lo + hi) // 2
+        else:
+            guess = _guess(measured, predicted, lo, hi, tolerance)
+        sides.append(measure(guess) <= tolerance)
+        if sides[-1]:
+            hi = guess
+        else:
+            lo = guess
+    return hi, len(measured)
+
+
+def _guess(measured: dict[int, float], predicted: Callable[[int], float], lo: int, hi: int, tolerance: float) -> int:
+    """The next budget to measure, strictly inside (lo, hi): where a power law drift = c * predicted^beta through the
+    measurements crosses the tolerance; moved to the budget that would close the bracket when it falls within 5 %
+    of `hi`."""
+    if not predicted(lo + 1) > predicted(hi):  # the guide does not fall across the bracket: it cannot place one
+        return (lo + hi) // 2
+    # the power law through the bracket's ends where both were measured (so it interpolates), else through the two
+    # measurements nearest the tolerance (beta = 1 through one)
+    usable = {b: d for b, d in measured.items() if d > 0 and predicted(b) > 0}
+    pair = [(b, usable[b]) for b in (lo, hi) if b in usable]
+    if len(pair) < 2:
+        pair = sorted(usable.items(), key=lambda p: abs(math.log(p[1] / tolerance)))[:2]
+    anchor = pair[0] if pair else None
+    beta = 1.0
+    if len(pair) == 2 and predicted(pair[0][0]) != predicted(pair[1][0]):
+        (b1, d1), (b2, d2) = pair
+        beta = min(4.0, max(0.25, math.log(d1 / d2) / math.log(predicted(b1) / predicted(b2))))
+    if anchor is None:
+        target = tolerance / PRIOR_RATIO
+    else:
+        target = predicted(anchor[0]) * (tolerance / anchor[1]) ** (1 / beta)
+    a, b = lo, hi  # smallest budget in (lo, hi] predicted to be at or under the target: predicted falls with budget
+    while b - a > 1:
+        middle = (a + b) // 2
+        if predicted(middle) <= target:
+            b = middle
+        else:
+            a = middle
+    closing = hi - max(1, hi // PRECISION)
+    guess = closing if b >= closing else b
+    return min(max(guess, lo + 1), hi - 1)
