@@ -457,10 +457,11 @@ class Engine:
             measured[budget] = self.measure_drift(self.as_stored(trial), drafted)
             return measured[budget]["kl"]
 
-        # a cache that keeps every entry held, with its values as they are (a refit over the whole softmax changes
+        # a cache that keeps every entry held (its values as they are: a refit over the whole softmax changes
         # nothing), stored as it is, drifts 0: nothing to measure
-        full = int(held.valid.sum(dim=-1).max())
-        unchanged = most >= full and (self.head_cap is None or self.head_cap >= full) and stream.stored_as is None
+        at_most, _ = self._at_budget(stream, step, scores, recent, most, None)
+        keeps_all = bool(self._keep_masks(stream, at_most, recent, most, keep, held).eq(held.valid).all())
+        unchanged = keeps_all and stream.stored_as is None
         budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
         return budget, measured.get(budget)
 

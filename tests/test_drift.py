@@ -125,3 +125,24 @@ def test_max_kl_keeps_the_smallest_cache_the_tolerance_allows(reread):
 def test_max_kl_with_a_budget_never_keeps_more_than_it():
     size, _ = read_within(1e-12, budget=40)
     assert size == 40
+
+
+@pytest.mark.parametrize("reread", [False, True])
+def test_max_kl_keeps_the_drift_it_measured_for_the_budget_it_chose(monkeypatch, reread):
+    """Each budget the search tries is measured once, the cache that keeps everything held (drift 0) never, and the
+    kept cache's estimate is the measurement of its budget, not a second forward of the same cache."""
+    measured = []
+    measure = Engine.measure_drift
+
+    def recorded(self, stream, drafted):
+        drift = measure(self, stream, drafted)
+        measured.append((self.held_per_head(stream), drift["kl"]))
+        return drift
+
+    monkeypatch.setattr(Engine, "measure_drift", recorded)
+    _, loose = read_within(1e9, reread=reread)
+    measured.clear()
+    size, drift = read_within(loose / 4, reread=reread)
+    sizes = [held for held, _ in measured]
+    assert 1 < len(measured) == len(set(sizes)) and 160 not in sizes
+    assert (size, drift) in measured and drift <= loose / 4
