@@ -1,0 +1,141 @@
+"""How many measurements `--max-kl`'s budget search takes: measured drift curves, and searches replayed on them.
+
+    python examples/maxkl_search.py record MOBY_DICK.txt HAMLET.md --context 512 --windows 2 --method kl \
+        --out benchmarks/results/tuning/maxkl-search/curves-kl-512.json
+    python examples/maxkl_search.py replay benchmarks/results/tuning/maxkl-search/curves-*.json
+
+`record` reads windows of each text as `--max-kl` reads them and, at the last eviction, measures the drift of every
+budget from the floor to the whole read (every one up to 128 entries per head, every second one above), as the
+search's trials measure it (an eviction of a copy of the stream with its refit, then the sampled continuation over
+it), beside the free guide the search uses: the budget-free scores of the entries each budget evicts, summed. One
+512-token window takes about 3-5 minutes of one CPU core. `replay` runs the search (klevict_cli/tolerance.py) and
+the bisection it replaced on those curves at tolerances from 0.002 to 0.3, and prints the budgets found and the
+measurements each took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+from pathlib import Path
+
+TOLERANCES = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
+
+
+def record(args) -> None:
+    from klevict_cli import engine as engine_module
+    from klevict_cli.attention import ATTENTION_NAME
+    from klevict_cli.cache import LayerStack
+    from klevict_cli.documents import load_document
+    from klevict_cli.models import load_model
+    from klevict_cli.session import ReadSettings, Session
+
+    chosen = {}
+    select = engine_module.select_global
+
+    def remembered(*a, **k):  # the keep masks of the last selection: what a budget evicts
+        chosen["masks"] = select(*a, **k)
+        return chosen["masks"]
+
+    curves = []
+
+    def measure_every_budget(self, stream, step, scores, recent, keep, targets, drafted):
+        most = self.budget if self.budget is not None else stream.next_position
+        least = min(most, engine_module.sink_count(most) + recent + 1)
+        held = LayerStack.of(self._scored_layers(stream))
+        budget_free = held.stack(scores).clamp(min=0).masked_fill(~held.valid, 0)
+        curve = []
+        for budget in sorted({*range(least, min(most, 128) + 1), *range(128, most + 1, 2), most}):
+            trial = stream.clone()
+            at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
+            self._keep_best(trial, at_budget, recent, budget, keep, fit)
+            evicted = float(budget_free.masked_fill(chosen["masks"], 0).sum())
+            curve.append([budget, self.measure_drift(self.as_stored(trial), drafted)["kl"], evicted, bool(fit)])
+        curves.append({"least": least, "most": most, "curve": curve})
+        return most, None
+
+    engine_module.select_global = remembered
+    engine_module.Engine._budget_within = measure_every_budget
+    lm = load_model(args.model, device="cpu", dtype="float32", attn_implementation=ATTENTION_NAME, quiet=True)
+    session = Session(lm)
+    for path in args.texts:
+        ids = lm.tokenizer(load_document(path).text, add_special_tokens=False)["input_ids"]
+        for k in range(args.windows):
+            start = (2 * k + 1) * len(ids) // (2 * args.windows + 1) + 333  # spread over the text, seed-free
+            session.read_tokens(ids[start : start + args.context],
+                                ReadSettings(budget=None, method=args.method, max_kl=0.03, seed=k,
+                                             reconstruct=args.method == "kl-reconstruct"))
+            curves[-1].update(text=Path(path).name, start=start, context=args.context, method=args.method)
+            print(f"{Path(path).name} window {k}: {len(curves[-1]['curve'])} budgets measured", flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(curves))
+
+
+def bisection(drift, least: int, most: int, tolerance: float) -> tuple[int, int]:
+    """The search `--max-kl` used before (bisection to 5 %), with its measurements; the whole read's drift (0) not
+    measured, as the current search does not measure it."""
+    count = 0
+    while most - least > max(1, most // 20):
+        middle = (least + most) // 2
+        count += 1
+        if drift(middle) <= tolerance:
+            most = middle
+        else:
+            least = middle
+    return most, count
+
+
+def replay(args) -> None:
+    from klevict_cli.tolerance import smallest_within
+
+    curves = [c for f in args.files for c in json.loads(Path(f).read_text())]
+    counts = {"bisection": [], "guided": []}
+    sizes = []  # the guided search's budget over bisection's
+    for c in curves:
+        budgets = [row[0] for row in c["curve"]]
+        drift = {row[0]: row[1] for row in c["curve"]}
+        evicted = {row[0]: row[2] for row in c["curve"]}
+
+        def on_curve(b: int) -> int:  # a budget between the recorded ones: the next recorded
+            return budgets[min(bisect.bisect_left(budgets, b), len(budgets) - 1)]
+
+        cells = []
+        for tolerance in TOLERANCES:
+            old = bisection(lambda b: drift[on_curve(b)], c["least"], c["most"], tolerance)
+            new = smallest_within(lambda b: drift[on_curve(b)], lambda b: evicted[on_curve(b)], c["least"], c["most"],
+                                  tolerance, known=0.0)
+            counts["bisection"].append(old[1])
+            counts["guided"].append(new[1])
+            sizes.append(new[0] / old[0])
+            cells.append(f"{tolerance:g}: {old[0]}/{old[1]} {new[0]}/{new[1]}")
+        print(f"{c['text']} {c['method']} @{c['start']}: " + " | ".join(cells))
+        ratios = [d / s for _, d, s, _ in c["curve"] if d > 0 and s > 0]
+        deciles = statistics.quantiles(ratios, n=10)
+        print(f"  drift / summed scores: median {statistics.median(ratios):.2f}, 10-90 % {deciles[0]:.2f}-{deciles[-1]:.2f}")
+    for name, n in counts.items():
+        print(f"{name}: {statistics.mean(n):.2f} measurements on average, at most {max(n)} ({len(n)} searches)")
+    print(f"budget found, guided over bisection: geometric mean {statistics.geometric_mean(sizes):.3f}, "
+          f"{min(sizes):.2f}-{max(sizes):.2f}; larger in {sum(r > 1.05 for r in sizes)}, smaller in "
+          f"{sum(r < 1 / 1.05 for r in sizes)} of {len(sizes)} by more than 5 %")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record")
+    rec.add_argument("texts", nargs="+")
+    rec.add_argument("--model", default=None)
+    rec.add_argument("--context", type=int, default=512)
+    rec.add_argument("--windows", type=int, default=2)
+    rec.add_argument("--method", default="kl")
+    rec.add_argument("--out", required=True)
+    rep = commands.add_parser("replay")
+    rep.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
