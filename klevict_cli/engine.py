@@ -438,7 +438,7 @@ class Engine:
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, sink_count(most) + recent + 1)
         held = LayerStack.of(self._scored_layers(stream))
-        budget_free = held.stack(scores).clamp(min=0).masked_fill(~held.valid, 0)
+        budget_free = held.stack(scores).nan_to_num(0.0, 0.0, 0.0).clamp(min=0).masked_fill(~held.valid, 0)
         evicted: dict[int, float] = {}
 
         def predicted(budget: int) -> float:

@@ -146,3 +146,23 @@ def test_max_kl_keeps_the_drift_it_measured_for_the_budget_it_chose(monkeypatch,
     sizes = [held for held, _ in measured]
     assert 1 < len(measured) == len(set(sizes)) and 160 not in sizes
     assert (size, drift) in measured and drift <= loose / 4
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "streaming", "random"])
+def test_max_kl_sizes_any_policys_cache(method):
+    """The search's guide is the policy's own scores, whatever they mean: for every policy the cache kept is within
+    the tolerance (as measured) and smaller than the read."""
+    from klevict_cli.policies import make_policy
+
+    model = tiny_llama(seed=3)
+    torch.manual_seed(3)
+    ids = torch.randint(0, 300, (160,)).tolist()
+    sizes = []
+    for tolerance in (1e9, 0.05):
+        engine = Engine(model, adapter_for(model), make_policy(method), budget=None, chunk_size=64, probe_window=8,
+                        max_kl=tolerance)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        assert stream.drift["kl"] <= tolerance
+        sizes.append(engine.held_per_head(stream))
+    assert sizes[0] <= sizes[1] < 160
