@@ -73,20 +73,6 @@ def record(args) -> None:
             Path(args.out).write_text(json.dumps(curves))
 
 
-def bisection(drift, least: int, most: int, tolerance: float) -> tuple[int, int]:
-    """The search `--max-kl` used before (bisection to 5 %), with its measurements; the whole read's drift (0) not
-    measured, as the current search does not measure it."""
-    count = 0
-    while most - least > max(1, most // 20):
-        middle = (least + most) // 2
-        count += 1
-        if drift(middle) <= tolerance:
-            most = middle
-        else:
-            least = middle
-    return most, count
-
-
 def replay(args) -> None:
     from klevict_cli.tolerance import smallest_within
 
@@ -103,7 +89,8 @@ def replay(args) -> None:
 
         cells = []
         for tolerance in TOLERANCES:
-            old = bisection(lambda b: drift[on_curve(b)], c["least"], c["most"], tolerance)
+            # bisection (no guide), and the whole read's drift (0) not measured by either
+            old = smallest_within(lambda b: drift[on_curve(b)], None, c["least"], c["most"], tolerance, known=0.0)
             new = smallest_within(lambda b: drift[on_curve(b)], lambda b: evicted[on_curve(b)], c["least"], c["most"],
                                   tolerance, known=0.0)
             counts["bisection"].append(old[1])

@@ -20,12 +20,13 @@ PRECISION = 20  # the search stops once the bracket is within 1/PRECISION of the
 PRIOR_RATIO = 0.4
 
 
-def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], float], least: int, most: int,
+def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], float] | None, least: int, most: int,
                     tolerance: float, known: float | None = None) -> tuple[int, int]:
     """The smallest budget in (least, most] whose `drift` is at most `tolerance`, to within 5 % of it: the budget
     returned was measured within the tolerance (or is `most`, known to drift `known`, without a measurement), and a
     budget at most 5 % smaller (or `least`) was measured beyond it or is the floor. `most` when even it drifts
-    further. `predicted(budget)`: a free guess that falls as the budget grows. Returns (budget, measurements)."""
+    further. `predicted(budget)`: a free guess that falls as the budget grows (None: bisection, which the guided
+    search is measured against). Returns (budget, measurements)."""
     measured: dict[int, float] = {}
 
     def measure(budget: int) -> float:
@@ -37,7 +38,8 @@ def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], fl
     lo, hi = least, most
     sides: list[bool] = []  # each measurement's: within the tolerance or not
     while hi - lo > max(1, hi // PRECISION):
-        if len(sides) >= 4 and len(set(sides[-4:])) == 1:  # four guesses on one side: the guide misleads
+        misled = len(sides) >= 4 and len(set(sides[-4:])) == 1  # four guesses on one side
+        if predicted is None or misled:
             guess = (lo + hi) // 2
         else:
             guess = _guess(measured, predicted, lo, hi, tolerance)

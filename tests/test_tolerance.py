@@ -17,18 +17,8 @@ def power_law(scale: float, exponent: float):
 
 
 def bisection_count(drift, least: int, most: int, tolerance: float) -> int:
-    """Measurements plain bisection takes to the same precision (the search this one replaced)."""
-    count = 1
-    if drift(most) > tolerance:
-        return count
-    while most - least > max(1, most // PRECISION):
-        middle = (least + most) // 2
-        count += 1
-        if drift(middle) <= tolerance:
-            most = middle
-        else:
-            least = middle
-    return count
+    """Measurements plain bisection takes to the same precision (the search the guided one replaced)."""
+    return smallest_within(drift, None, least, most, tolerance)[1]
 
 
 def check_bracket(drift, least: int, most: int, tolerance: float, found: int) -> None:
@@ -78,6 +68,14 @@ def test_a_noisy_drift_returns_a_measured_budget_within_the_tolerance():
         assert measured[found] <= tolerance
         below = [b for b, d in measured.items() if d > tolerance and b < found]
         assert found - max(below, default=4) <= max(1, found // PRECISION)
+
+
+def test_without_a_guide_it_is_bisection():
+    drift, _ = power_law(2.0, 1.0)
+    measured = []
+    found, count = smallest_within(lambda b: measured.append(b) or drift(b), None, 0, 1024, 0.01)
+    assert measured[:4] == [1024, 512, 256, 128] and count == len(measured)
+    check_bracket(drift, 0, 1024, 0.01, found)
 
 
 def test_the_largest_budget_decides_the_ends():
