@@ -289,11 +289,13 @@ def headline_choice(results: dict[Path, dict]) -> list[Path]:
 
 def pool(parts: list[dict]) -> dict:
     """Fidelity results measured the same way on different texts as one result: their windows side by side (the
-    per-window numbers concatenated, the means and intervals recomputed), the texts named together."""
+    per-window numbers concatenated, the means and intervals recomputed), the texts named together; the methods
+    every part measured."""
     out = json.loads(json.dumps({k: v for k, v in parts[0].items() if k not in TASKS or k == "fidelity"}))
     if len(parts) == 1:
         return out
     fid = out["fidelity"]
+    fid["results"] = {m: per for m, per in fid["results"].items() if all(m in p["fidelity"]["results"] for p in parts)}
     rows = [("full", None)] + [(m, b) for m, per in fid["results"].items() for b in per]
     for other in parts[1:]:
         theirs = other["fidelity"]
@@ -346,11 +348,12 @@ def headline(paths: list[Path], parts: list[dict], link: str) -> list[str]:
 
 def length_groups(results: dict[Path, dict]) -> dict[tuple[int, str], list[Path]]:
     """The length sweep's results (`benchmarks/lengths.sh`: files named lengths-TEXT-LENGTH[-MODEL].json, fidelity
-    with kl, kl-reconstruct and peers), grouped by context length and model (the default model's first)."""
+    with kl, peers and, where it was measured, kl-reconstruct), grouped by context length and model (the default
+    model's first)."""
     groups: dict[tuple[int, str], list[Path]] = {}
     for path, result in sorted(results.items()):
         rows = result.get("fidelity", {}).get("results", {})
-        if path.name.startswith("lengths-") and all(m in rows for m in SUBJECTS) and peers(rows):
+        if path.name.startswith("lengths-") and SUBJECT in rows and peers(rows):
             groups.setdefault((result["settings"]["context"], result["settings"]["model"]), []).append(path)
     return dict(sorted(groups.items(), key=lambda item: (item[0][1] != DEFAULT_MODEL, item[0][1], item[0][0])))
 
@@ -370,6 +373,9 @@ def length_table(results: dict[Path, dict]) -> list[str]:
             other = best_peer(fid, b)
             cells = [f"{length:,}" + ("" if model == DEFAULT_MODEL else f" ({md(model)})"), md(b)]
             for subject in SUBJECTS:
+                if subject not in rows:
+                    cells += ["not measured", "—"]
+                    continue
                 p = paired_ratio(rows[subject][b]["per_window"]["kl"], rows[other][b]["per_window"]["kl"])
                 cells += [pm(rows[subject][b]["kl"]), f"{ratio_text(p)}, {p['better']} of {p['windows']}"]
             body.append(cells + [f"{md(other)} {pm(rows[other][b]['kl'])}"])

@@ -216,6 +216,21 @@ def test_the_length_sweep_gets_a_table_of_its_own_and_stays_out_of_the_headline(
     assert make_tables.main(["--root", str(root), "--check"]) == 0
 
 
+def test_a_length_measured_without_the_compress_reading_says_so(tmp_path, result):
+    """A length where kl-reconstruct was not measured on every text (a long sweep stopped part way) still gets its
+    rows, kl against the peers, and says what is missing instead of leaving the length out."""
+    sweep = json.loads(json.dumps(result))
+    del sweep["needle"]
+    sweep["settings"].update(model=DEFAULT_MODEL, context=300)
+    complete = json.loads(json.dumps(sweep))
+    complete["fidelity"]["results"]["kl-reconstruct"] = json.loads(json.dumps(sweep["fidelity"]["results"]["kl"]))
+    root = tree(tmp_path, {"lengths-a-300.json": sweep, "lengths-b-300.json": complete})
+    assert make_tables.main(["--root", str(root)]) == 0
+    rows = [r for r in generated(root, "docs/benchmarks.md", make_tables.LENGTHS).splitlines() if r.startswith("| 300 |")]
+    assert len(rows) == 2 and all("| not measured | — |" in r for r in rows)
+    assert all(r.split("|")[4].strip().endswith(" of 6") for r in rows)  # kl: both texts' 3 windows each, pooled
+
+
 def test_quantized_caches_get_a_bytes_table_and_a_frontier_plot(tmp_path):
     """quantized-TEXT-LENGTH.json (bench --cache-dtype: rows "kl <dtype>") and quantized-bytes-TEXT-LENGTH.json
     (bench --max-bytes) make the bytes section: every dtype at every kept share with its bytes, the dtypes at equal
