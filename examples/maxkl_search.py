@@ -27,36 +27,22 @@ TOLERANCES = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
 def record(args) -> None:
     from klevict_cli import engine as engine_module
     from klevict_cli.attention import ATTENTION_NAME
-    from klevict_cli.cache import LayerStack
     from klevict_cli.documents import load_document
     from klevict_cli.models import load_model
     from klevict_cli.session import ReadSettings, Session
-
-    chosen = {}
-    select = engine_module.select_global
-
-    def remembered(*a, **k):  # the keep masks of the last selection: what a budget evicts
-        chosen["masks"] = select(*a, **k)
-        return chosen["masks"]
 
     curves = []
 
     def measure_every_budget(self, stream, step, scores, recent, keep, targets, drafted):
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, engine_module.sink_count(most) + recent + 1)
-        held = LayerStack.of(self._scored_layers(stream))
-        budget_free = held.stack(scores).clamp(min=0).masked_fill(~held.valid, 0)
-        curve = []
-        for budget in sorted({*range(least, min(most, 128) + 1), *range(128, most + 1, 2), most}):
-            trial = stream.clone()
-            at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
-            self._keep_best(trial, at_budget, recent, budget, keep, fit)
-            evicted = float(budget_free.masked_fill(chosen["masks"], 0).sum())
-            curve.append([budget, self.measure_drift(self.as_stored(trial), drafted)["kl"], evicted, bool(fit)])
+        drifts, predicted, _, _ = self._tolerance_trials(stream, step, scores, recent, keep, targets, drafted)
+        curve = [[budget, drifts(budget), predicted(budget),  # and whether that budget's cache is refit
+                  bool(self._at_budget(stream, step, scores, recent, budget, targets)[1])]
+                 for budget in sorted({*range(least, min(most, 128) + 1), *range(128, most + 1, 2), most})]
         curves.append({"least": least, "most": most, "curve": curve})
         return most, None
 
-    engine_module.select_global = remembered
     engine_module.Engine._budget_within = measure_every_budget
     lm = load_model(args.model, device="cpu", dtype="float32", attn_implementation=ATTENTION_NAME, quiet=True)
     session = Session(lm)

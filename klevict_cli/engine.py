@@ -437,18 +437,37 @@ class Engine:
         where it was not measured)."""
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, sink_count(most) + recent + 1)
+        drifts, predicted, kept, measured = self._tolerance_trials(stream, step, scores, recent, keep, targets, drafted)
+        # a cache that keeps every entry held (its values as they are: a refit over the whole softmax changes
+        # nothing), stored as it is, drifts 0: nothing to measure
+        unchanged = bool(kept(most).eq(LayerStack.of(self._scored_layers(stream)).valid).all()) \
+            and stream.stored_as is None
+        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
+        return budget, measured.get(budget)
+
+    def _tolerance_trials(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
+                          keep: range, targets: dict | None, drafted: Continuation):
+        """What `_budget_within` asks of a budget (examples/maxkl_search.py records them for every budget):
+        `drifts(budget)`, the drift of the cache an eviction to it keeps, measured (a copy of the stream evicted with
+        its refit, then the sampled continuation over it; each kept in `measured`); `predicted(budget)`, the
+        budget-free scores of the entries it evicts, summed (a selection alone, no forward); `kept(budget)`, that
+        selection's (L, H, C) masks."""
         held = LayerStack.of(self._scored_layers(stream))
         budget_free = held.stack(scores).nan_to_num(0.0, 0.0, 0.0).clamp(min=0).masked_fill(~held.valid, 0)
+        masks: dict[int, torch.Tensor] = {}
         evicted: dict[int, float] = {}
+        measured: dict[int, dict] = {}
+
+        def kept(budget: int) -> torch.Tensor:
+            if budget not in masks:
+                at_budget, _ = self._at_budget(stream, step, scores, recent, budget, None)
+                masks[budget] = self._keep_masks(stream, at_budget, recent, budget, keep, held)
+            return masks[budget]
 
         def predicted(budget: int) -> float:
             if budget not in evicted:
-                at_budget, _ = self._at_budget(stream, step, scores, recent, budget, None)
-                kept = self._keep_masks(stream, at_budget, recent, budget, keep, held)
-                evicted[budget] = float(budget_free.masked_fill(kept, 0).sum())
+                evicted[budget] = float(budget_free.masked_fill(kept(budget), 0).sum())
             return evicted[budget]
-
-        measured: dict[int, dict] = {}
 
         def drifts(budget: int) -> float:
             trial = stream.clone()
@@ -457,13 +476,7 @@ class Engine:
             measured[budget] = self.measure_drift(self.as_stored(trial), drafted)
             return measured[budget]["kl"]
 
-        # a cache that keeps every entry held (its values as they are: a refit over the whole softmax changes
-        # nothing), stored as it is, drifts 0: nothing to measure
-        at_most, _ = self._at_budget(stream, step, scores, recent, most, None)
-        keeps_all = bool(self._keep_masks(stream, at_most, recent, most, keep, held).eq(held.valid).all())
-        unchanged = keeps_all and stream.stored_as is None
-        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
-        return budget, measured.get(budget)
+        return drifts, predicted, kept, measured
 
     def _storage_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                         keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int, dict]:
