@@ -111,7 +111,6 @@ def plan_positions(
     return Plan(mode, budget, notes, head_cap)
 
 
-JUDGE_TOKENS = 32  # the last tokens read that judge a policy's alternatives (`Engine._judge_alternatives`)
 DRIFT_DRAFTS = 32  # sampled tokens that measure the read's last eviction (`Engine.drafts_for_drift`)
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
 # The model's own samples (temperature 1) move further than the text that follows: on the 512-token tuning windows
@@ -397,11 +396,10 @@ class Engine:
                      drafted)
 
     def within_tolerance(self, step: EvictionStep) -> EvictionStep:
-        """The read's last eviction under `max_kl`, a storage choice or a choice of the policy's alternatives is
-        scored for no budget: the budget is what the tolerance then allows (`_budget_within`) or the storage chosen
-        gets (`_storage_within`), and what a policy keeps at a budget beyond its scores (`Policy.at_budget`) is
-        added for each one tried."""
-        choosing = self.max_kl is not None or self.chooses_storage or self.policy.alternatives(step)
+        """The read's last eviction under `max_kl` or a storage choice is scored for no budget: the budget is what
+        the tolerance then allows (`_budget_within`) or the storage chosen gets (`_storage_within`), and what a
+        policy keeps at a budget beyond its scores (`Policy.at_budget`) is added for each one tried."""
+        choosing = self.max_kl is not None or self.chooses_storage
         return replace(step, budget=None, kept_fraction=None) if step.final and choosing else step
 
     def _choose(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
@@ -418,42 +416,16 @@ class Engine:
             else:  # no room past the read to sample a continuation: the storage with the most bits
                 budget = self.storage[stream.stored_as]
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
-        elif step.final and self.policy.alternatives(step):
-            budget = self.budget if budget is None else budget
-            scores, targets = self._judge_alternatives(stream, step, scores, recent, budget, keep, targets)
         self._keep_best(stream, scores, recent, budget, keep, targets, stack)
 
     def _at_budget(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
-                   budget: int, targets: dict | None, alternative: str | None = None
-                   ) -> tuple[Mapping[int, torch.Tensor], dict | None]:
-        """Budget-free scores and refit targets as an eviction to `budget` uses them (ranked the policy's
-        `alternative` way, if given)."""
+                   budget: int, targets: dict | None) -> tuple[Mapping[int, torch.Tensor], dict | None]:
+        """Budget-free scores and refit targets as an eviction to `budget` uses them."""
         read = step.read_end or stream.next_position
         at = replace(step, budget=budget, kept_fraction=self.kept_fraction(read, budget), sinks=sink_count(budget),
                      recent=range(read - min(recent, read), read))
         refit = targets and self.policy.refits(True, at.kept_fraction, reread=self.reconstruction is not None)
-        return self.policy.at_budget(at, dict(scores), alternative), targets if refit else None
-
-    def _judge_alternatives(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor],
-                            recent: int, budget: int, keep: range, targets: dict | None
-                            ) -> tuple[Mapping[int, torch.Tensor], dict | None]:
-        """Of the policy's own ranking at `budget` and its `alternatives`, the one whose cache predicts the last
-        JUDGE_TOKENS tokens read closest to the cache before the choice (mean next-token KL): a copy of the stream
-        evicted (and refit) each way, those tokens run again over what it keeps of the entries before them
-        (`_read_last_again`). They are real text that follows most of what is judged, and nothing ranked the
-        entries by them (the look-ahead drafts did). Returns the scores and refit targets of the one kept (the
-        policy's own on a tie)."""
-        w = min(JUDGE_TOKENS, stream.next_position - 1)
-        before = self._read_last_again(stream.clone(), w)
-        best = None
-        for alternative in (None, *self.policy.alternatives(step)):
-            ranked, fit = self._at_budget(stream, step, scores, recent, budget, targets, alternative)
-            trial = stream.clone()
-            self._keep_best(trial, ranked, recent, budget, keep, fit, compact=False)
-            kl = float(token_kl(before, self._read_last_again(trial, w)).mean())
-            if best is None or kl < best[0]:
-                best = (kl, ranked, fit)
-        return best[1], best[2]
+        return self.policy.at_budget(at, dict(scores)), targets if refit else None
 
     def _budget_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                        keep: range, targets: dict | None, drafted: Continuation) -> tuple[int, dict | None]:
@@ -610,12 +582,10 @@ class Engine:
                           for n, (i, layer) in enumerate(scored.items())], fill=False)
 
     def _keep_best(self, stream: Stream, scores: Mapping[int, torch.Tensor], recent: int, budget: int | None,
-                   keep: range = range(0), targets: dict | None = None, stack: LayerStack | None = None,
-                   compact: bool = True) -> None:
+                   keep: range = range(0), targets: dict | None = None, stack: LayerStack | None = None) -> None:
         """Keep the best-scoring entries of the scored layers within `budget` (and the `recent` last tokens and the
         positions in `keep`: `_keep_masks`), refit the kept values to `targets` if any; all layers at once (`stack`:
-        the scored layers' `LayerStack`, if the caller has it). In `compact` mode the positions are then compacted
-        (unless not `compact`: a trial that runs the last tokens read again at their own positions)."""
+        the scored layers' `LayerStack`, if the caller has it)."""
         budget = self.budget if budget is None else budget
         scored = self._scored_layers(stream)
         if budget is not None and scored:
@@ -629,7 +599,7 @@ class Engine:
             for n, layer in enumerate(scored.values()):
                 layer.keep(masks[n, :, : stack.widths[n]], order[n], capacities[n])
         self.trim_windows(stream)  # last: the Fisher re-run needs the probes as every layer's last columns
-        if self.mode == "compact" and compact:
+        if self.mode == "compact":
             self.compact(stream)
 
     def _refit(self, scored: dict, masks: torch.Tensor, targets: dict) -> None:
@@ -723,14 +693,6 @@ class Engine:
                 layer.keep(layer.positions < end)
         del stream.tokens[end:]
         stream.next_rope -= count
-
-    def _read_last_again(self, stream: Stream, w: int) -> torch.Tensor:
-        """The logits (w, V) of the last `w` tokens read, read again over what `stream` keeps of the entries before
-        them (theirs dropped first, `forget_drafts`); on a stream nothing was evicted from, the read's own."""
-        tokens = stream.tokens[-w:]
-        self.forget_drafts(stream, w)
-        logits, _ = self.forward(stream, tokens, logits_rows=w, probing=True)
-        return logits
 
     @torch.inference_mode()
     def probe_again(self, stream: Stream, w: int) -> tuple[torch.Tensor, ForwardContext]:

@@ -32,17 +32,15 @@ def _masked_reference(module, query, key, value, attention_mask, scaling, dropou
 AttentionInterface.register(REFERENCE_NAME, _masked_reference)
 
 
-def reference_logits(model, ids: list[int], masks: dict[int, torch.Tensor], rows: int | None = None) -> torch.Tensor:
-    """The last token's logits of one plain forward of `ids` in which layer l's queries see `masks[l]` (the last
-    `rows` tokens', (rows, V), if given)."""
+def reference_logits(model, ids: list[int], masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The last token's logits of one plain forward of `ids` in which layer l's queries see `masks[l]`."""
     _REFERENCE_MASKS.clear()
     _REFERENCE_MASKS.update(masks)
     previous = model.config._attn_implementation
     model.set_attn_implementation(REFERENCE_NAME)
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([ids]), use_cache=False).logits[0].float()
-            return logits[-1] if rows is None else logits[-rows:]
+            return model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
     finally:
         model.set_attn_implementation(previous)
 

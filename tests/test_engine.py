@@ -7,7 +7,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import JUDGE_TOKENS, Engine, plan_positions
+from klevict_cli.engine import Engine, plan_positions
 from klevict_cli.probes import Drafts
 from klevict_cli.sampling import sample_rows
 from klevict_cli.errors import ResourceError
@@ -265,8 +265,7 @@ def test_drafts_from_the_read_skip_one_round_where_the_last_chunk_predicted_enou
     engine.feed(stream, ids)
     # the read's last chunk: the drafts' rows of logits where they start from them, else the last token's only
     assert calls[2] == (last_chunk, 6 if forwards == 2 else 1)
-    # then the judge of the share (KL.alternatives): the last tokens read again, before the choice and for each way
-    assert [n for n, _ in calls[3:]] == [6] * forwards + [JUDGE_TOKENS] * 3
+    assert [n for n, _ in calls[3:]] == [6] * forwards
     assert stream.tokens == ids and engine.held_per_head(stream) == 24
 
 

@@ -136,18 +136,11 @@ class Policy:
         """Scores for several layers at once; override when layers share work (e.g. one backward pass)."""
         return {i: self.score(step, i) for i in layer_ids}
 
-    def at_budget(self, step: EvictionStep, scores: dict[int, torch.Tensor],
-                  alternative: str | None = None) -> dict[int, torch.Tensor]:
+    def at_budget(self, step: EvictionStep, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """`scores` (from `score_layers` for no budget) as an eviction to `step.budget` ranks them: what a policy
         keeps at a budget beyond its scores (kl: the shares) is added here, so that the engine can try several
-        budgets on one scoring (`--max-kl`), or one of the policy's `alternatives`. Most policies add nothing."""
+        budgets on one scoring (`--max-kl`). Most policies add nothing."""
         return scores
-
-    def alternatives(self, step: EvictionStep) -> tuple[str, ...]:
-        """Other ways than its own of ranking at a budget (`at_budget`'s `alternative`) that the policy cannot
-        choose between from its scores alone: the engine keeps, at the read's last eviction, the one whose cache
-        predicts the last tokens read best (`Engine._judge_alternatives`). Most policies have none."""
-        return ()
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         """Learn from one reconstruction probe set (its rows re-read the entries at positions `step.judged`), into

@@ -62,7 +62,6 @@ class KL(Policy):
     # Per entry, the most attention a copying query pays it (what the shares of the budget are decided by):
     QUESTION_EXTRA = "kl_question"  # the re-reading's (KVzip's score), where the document is re-read
     COPY_EXTRA = "kl_copy"  # a re-reading's as the read's own queries estimate it (`observe`), where it is not
-    WITHOUT_COPY = "without the copy share"  # the alternative ranking (`alternatives`)
 
     # Constants, each set by a measurement on the tuning windows (docs/research-log.md); a subclass may change them.
     # Where the document is re-read too, drafts probe the read's last choice only where it keeps at most this part of
@@ -198,29 +197,17 @@ class KL(Policy):
         there was one (`question_share`), by the read's own estimate of it where not (`copy_share`)."""
         return self.at_budget(step, self.probe_scores(step, layer_ids))
 
-    def at_budget(self, step: EvictionStep, scores: dict[int, torch.Tensor],
-                  alternative: str | None = None) -> dict[int, torch.Tensor]:
-        """The shares lifted above the scores (`reserve_for_questions`), where there is a budget; the copy share
-        not at all for the alternative `WITHOUT_COPY`."""
+    def at_budget(self, step: EvictionStep, scores: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The shares lifted above the scores (`reserve_for_questions`), where there is a budget."""
         if step.budget is None:
             return scores
         layer_ids = list(scores)
         needed, share = self.stored(step, layer_ids, self.QUESTION_EXTRA), self.question_share
         if not needed:
-            needed = self.stored(step, layer_ids, self.COPY_EXTRA)
-            share = 0.0 if alternative == self.WITHOUT_COPY else self.copy_share
+            needed, share = self.stored(step, layer_ids, self.COPY_EXTRA), self.copy_share
         if not needed or share <= 0:
             return scores
         return self.reserve_for_questions(step, dict(scores), needed, share)
-
-    def alternatives(self, step: EvictionStep) -> tuple[str, ...]:
-        """Without the copy share, where it would be taken: how much the copy estimate is worth depends on the
-        model (at 20 % kept, SmolLM2's continuation KL 0.14x with it on a 7,936-token Moby Dick window, Gemma-3's 1.5x
-        on two of 4,096 tokens), which its scores cannot tell; the engine judges both on the last tokens read."""
-        layers = step.cache.layers
-        copies = any(self.COPY_EXTRA in layer.extras for layer in layers)
-        reread = any(self.QUESTION_EXTRA in layer.extras for layer in layers)
-        return (self.WITHOUT_COPY,) if self.copy_share > 0 and copies and not reread else ()
 
     @staticmethod
     def stored(step: EvictionStep, layer_ids: list[int], name: str) -> dict[int, torch.Tensor]:
