@@ -80,6 +80,14 @@ def register(label: str, kwargs: dict, rounds: int | None) -> None:
     elif calibration is not None:
         state = calibrations.state_of(json.loads(Path(calibration).read_text()))
         how["adopt"] = lambda self, _, kv_heads: KL.adopt(self, state, kv_heads)
+    if "copy_share" in kwargs:  # the variant's share, not the one the model ships (calibrations.py)
+        share, adopt = kwargs["copy_share"], how.get("adopt", KL.adopt)
+
+        def adopt_keeping_share(self, state, kv_heads):
+            adopt(self, state, kv_heads)
+            self.copy_share, self.observes = share, share > 0
+
+        how["adopt"] = adopt_keeping_share
     if rounds is not None:
         how["draft_rounds"] = lambda self, reread, read, count: rounds
     POLICIES[label] = type(label, (KL,), {"name": label, "variant": True, **how,

@@ -7,6 +7,10 @@ heads and 1.3-1.5 between windows of one head, and ratios averaged over Hamlet s
 well as each window's own did (0.94-1.04x the KL; docs/research-log.md). So for the models klevict ships with it
 carries the ratios averaged over many windows of texts outside the benchmark (`examples/calibrate.py`), keyed by
 the weights' fingerprint; other models calibrate on each document.
+
+A file may also carry the model's `copy_share` (kl's share of the budget for the read's own estimate of what a
+re-reading needs), where it was measured to differ from the default: the estimate's worth belongs to the model too
+(docs/method.md, "the copy share is the model's").
 """
 
 from __future__ import annotations
@@ -27,5 +31,9 @@ def shipped(weights_sha256: str) -> dict[str, str] | None:
 
 
 def state_of(data: dict) -> dict[str, str]:
-    """A calibration file's ratios as policy state (what `Policy.adopt` takes)."""
-    return {"calibration": json.dumps(data["ratios"])}
+    """A calibration file's ratios, and the model's copy share where it has its own, as policy state (what
+    `Policy.adopt` takes)."""
+    state = {"calibration": json.dumps(data["ratios"])} if "ratios" in data else {}
+    if "copy_share" in data:
+        state["copy_share"] = str(data["copy_share"])
+    return state

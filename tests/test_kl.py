@@ -435,14 +435,39 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
     assert files  # the default model's, at least
     for path in files:
         data = json.loads(path.read_text())
-        layers = len(data["ratios"])
-        heads = len(data["ratios"]["0"])
-        assert sorted(map(int, data["ratios"])) == list(range(layers))
+        assert "ratios" in data or "copy_share" in data
+        ratios = data.get("ratios", {"0": [1.0]})
+        layers, heads = len(ratios), len(ratios["0"])
+        assert sorted(map(int, ratios)) == list(range(layers))
         state = calibrations.shipped(data["weights_sha256"])
         policy = KL()
         policy.adopt(state, [heads] * layers)
-        assert all(torch.all(r > 0) for r in policy.adopted.values())
+        if "ratios" in data:
+            assert all(torch.all(r > 0) for r in policy.adopted.values())
+        else:  # calibrates on each document
+            assert policy.adopted is None
+        assert policy.copy_share == data.get("copy_share", KL().copy_share)
     assert calibrations.shipped("0" * 64) is None
+
+
+def test_a_model_that_ships_its_own_copy_share_reads_with_it():
+    """A model's shipped copy share (calibrations.py) replaces the default: with 0 the read is not observed and no
+    entry is lifted above the look-ahead's scores; the bench's parameters say so; a share outside [0, 1] is refused."""
+    model = tiny_llama(seed=5)
+    kv_heads = [layer.self_attn.config.num_key_value_heads for layer in model.model.layers]
+    ids = torch.randint(0, 300, (120,)).tolist()
+    for share in ("0.0", "0.5"):
+        seen = []
+        policy = KL()
+        policy.adopt({"copy_share": share}, kv_heads)
+        policy.observe = lambda *args: seen.append(args[1])
+        engine = Engine(model, adapter_for(model), policy, budget=20, chunk_size=40, probe_window=8)
+        engine.feed(engine.new_stream(), ids)
+        assert bool(seen) == (share != "0.0") and policy.params()["copy_share"] == share
+        assert policy.adopted is None  # no ratios shipped: each document calibrates on itself
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ValueError):
+            KL().adopt({"copy_share": bad}, kv_heads)
 
 
 def test_a_read_that_rereads_its_document_does_not_pay_for_the_copy_estimate():

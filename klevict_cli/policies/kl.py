@@ -104,7 +104,9 @@ class KL(Policy):
         # 0-1/40 (and 1.0 1-3/40), with the continuation's KL 1.1x / 0.88x / 1.0x 0.3's at 20/10/5 %; and by the
         # read's own estimate of it where not (`summarize`, `observe`): 0.3 made the KL of the text that follows
         # 0.12x / 0.25x / 0.40x / 0.63x the look-ahead's alone at 50 / 20 / 10 / 5 % kept (15 % and 60 % as well or
-        # a little worse). Why a share and not a weight in the KL sum: docs/method.md, "one objective".
+        # a little worse) — with SmolLM2; with Gemma-3-270M the share made it worse (0.68-0.95x without it), so a
+        # model may ship its own (`adopt`, klevict_cli/calibrations.py). Why a share and not a weight in the KL sum:
+        # docs/method.md, "one objective".
         self.question_share, self.copy_share = question_share, copy_share
         self.observes = copy_share > 0
         self.calibration: dict[int, torch.Tensor] | None = None  # per layer, (H_kv,) fisher/direct ratio
@@ -139,9 +141,15 @@ class KL(Policy):
     def adopt(self, state: dict[str, str], kv_heads: list[int]) -> None:
         """Use the model's shipped calibration instead of a backward pass on each document: on the tuning windows
         it kept the same KL for `summarize` and `compress` alike (0.98-1.01x at 512 tokens, 4,096 in
-        docs/research-log.md), and the backward pass is a fixed cost that weighs most on short documents."""
+        docs/research-log.md), and the backward pass is a fixed cost that weighs most on short documents. And the
+        model's own copy share, where it ships one (its estimate's worth is the model's: `copy_share`)."""
         self.restore(state, kv_heads)
         self.adopted = self.calibration
+        if "copy_share" in state:
+            share = float(state["copy_share"])
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"the model's copy share must be within [0, 1], not {share}")
+            self.copy_share, self.observes = share, share > 0
 
     def state(self) -> dict[str, str]:
         if self.calibration is None:
