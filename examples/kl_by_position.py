@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
-import torch
-
-from klevict_cli.attention import ATTENTION_NAME
 from klevict_kernels.kl import token_kl
-from klevict_cli.bench import continuation_logits, draw_offsets, parse_budgets
+from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.bench import continuation_logits, fidelity_windows, parse_budgets
 from klevict_cli.documents import load_document
 from klevict_cli.models import load_model
 from klevict_cli.options import Budget
@@ -60,10 +57,8 @@ def main() -> None:
 
     session = Session(load_model(args.model, attn_implementation=ATTENTION_NAME, quiet=True))
     ids = encode_text(session.lm.tokenizer, load_document(args.file).text)
-    prefix = session.frame.prefix_ids(session.lm.tokenizer)
-    body = args.context - len(prefix)
-    offset = draw_offsets(len(ids), body + args.continuation, args.window + 1, random.Random(args.seed))[args.window]
-    window, cont = ids[offset : offset + body], ids[offset + body : offset + body + args.continuation]
+    offset, window, cont = fidelity_windows(session, ids, args.context, args.continuation, args.window + 1,
+                                            args.seed)[args.window]
     full_read = session.read_tokens(window, ReadSettings(budget=None, method="none", position_mode="original",
                                                          seed=args.seed), reserve=len(cont))
     reference = continuation_logits(full_read.engine, full_read.stream, full_read.logits, cont)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 import torch
 
-from klevict_cli.bench import continuation_logits, draw_offsets, token_metrics
+from klevict_cli.bench import continuation_logits, fidelity_windows, token_metrics
 from klevict_cli.models import load_model
 from klevict_cli.options import Budget
 from klevict_cli.session import ReadSettings, Session
@@ -72,12 +71,10 @@ def main() -> None:
     torch.manual_seed(0)
     session = Session(load_model(None, "cpu", "float32"))
     ids = session.lm.tokenizer(args.text.read_text(encoding="utf-8"))["input_ids"]
-    body = args.context - len(session.frame.prefix_ids(session.lm.tokenizer))
-    offsets = draw_offsets(len(ids), body + args.continuation, args.windows, random.Random(args.seed))
+    windows = fidelity_windows(session, ids, args.context, args.continuation, args.windows, args.seed)
+    offsets = [offset for offset, _, _ in windows]
     kl: dict[str, dict[str, list[float]]] = {}
-    for offset in offsets:
-        window = ids[offset : offset + body]
-        follow = ids[offset + body : offset + body + args.continuation]
+    for _, window, follow in windows:
         full = session.read_tokens(window, ReadSettings(budget=None, method="none"), reserve=len(follow))
         reference = continuation_logits(full.engine, full.stream.clone(), full.logits, follow)
         for share in args.kept.split(","):

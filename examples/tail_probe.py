@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 from pathlib import Path
 
 import torch
 
-from klevict_cli.bench import continuation_logits, draw_offsets, token_metrics
+from klevict_cli.bench import continuation_logits, fidelity_windows, token_metrics
 from klevict_cli.models import load_model
 from klevict_cli.options import Budget
 from klevict_cli.session import ReadSettings, Session
@@ -63,13 +62,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     session = Session(load_model(None, "cpu", "float32"))
-    body = args.context - len(session.frame.prefix_ids(session.lm.tokenizer))
     rows = []
     for text in args.texts:
         ids = session.lm.tokenizer(text.read_text(encoding="utf-8"))["input_ids"]
-        for offset in draw_offsets(len(ids), body + args.continuation, args.windows, random.Random(args.seed)):
-            window = ids[offset : offset + body]
-            follow = ids[offset + body : offset + body + args.continuation]
+        for offset, window, follow in fidelity_windows(session, ids, args.context, args.continuation, args.windows,
+                                                  args.seed):
             full = session.read_tokens(window, ReadSettings(budget=None, method="none"), reserve=len(follow))
             reference = continuation_logits(full.engine, full.stream.clone(), full.logits, follow)
             full_tail = tail_rows(full.engine, full.stream, args.tail)

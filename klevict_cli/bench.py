@@ -174,6 +174,16 @@ def draw_offsets(n_tokens: int, span: int, count: int, rng: random.Random) -> li
     return [rng.randint(0, n_tokens - span) for _ in range(count)]
 
 
+def fidelity_windows(session, doc_ids: list[int], context: int, continuation: int, count: int, seed: int
+                     ) -> list[tuple[int, list[int], list[int]]]:
+    """The fidelity task's windows: per window (its offset in `doc_ids`, the tokens read after the chat frame's
+    opening — `context` tokens with it — and the `continuation` tokens that follow), drawn with `seed`; the one
+    place that draws them, so that a script reads the windows `klevict bench --seed` reads."""
+    body = context - len(session.frame.prefix_ids(session.lm.tokenizer))
+    offsets = draw_offsets(len(doc_ids), body + continuation, count, random.Random(seed))
+    return [(o, doc_ids[o : o + body], doc_ids[o + body : o + body + continuation]) for o in offsets]
+
+
 def make_facts(rng: random.Random, count: int) -> list[Fact]:
     pairs = rng.sample([(a, b) for a in ADJECTIVES for b in ANIMALS], count)
     numbers = rng.sample(range(1000, 10000), count)
@@ -322,8 +332,9 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,
                  publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None) -> dict:
     prefix = session.frame.prefix_ids(session.lm.tokenizer)  # the chat frame's opening, read before each window
-    body = settings.context - len(prefix)
-    offsets = draw_offsets(len(doc_ids), body + settings.continuation, settings.windows, random.Random(settings.seed))
+    windows = fidelity_windows(session, doc_ids, settings.context, settings.continuation, settings.windows,
+                               settings.seed)
+    offsets = [offset for offset, _, _ in windows]
     stored_as = settings.cache_dtypes or [None]  # None: the cache as read (or as a byte limit chose to store it)
     labels = list(dict.fromkeys(label for _, label in reads))
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
@@ -347,12 +358,10 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
                             for label, row in per.items()} for m, per in results.items()},
         }
 
-    for w, offset in enumerate(offsets):
+    for w, (_, window, cont) in enumerate(windows):
         if w < done:
             tick(f"window {w + 1}/{len(offsets)}: measured before", 1 + len(reads))
             continue
-        window = doc_ids[offset : offset + body]
-        cont = doc_ids[offset + body : offset + body + settings.continuation]
         targets = torch.tensor(cont)
         ref = timed_read(session, window, reference, len(cont))
         ref_logits = continuation_logits(ref["engine"], ref["stream"], ref["logits"], cont)
