@@ -155,6 +155,22 @@ class LayerCache:
         n = int(self.valid.sum())
         return n * (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
 
+    def dropped(self, mask: torch.Tensor, dtype: torch.dtype) -> LayerCache:
+        """The valid entries `mask` (H, C) does not keep, as a layer of their own (keys and values in `dtype`, no
+        per-entry state): what an eviction sets aside (`Evicted`)."""
+        part = LayerCache(self.keys, self.values, self.positions, self.rope_positions, self.valid, self.window)
+        part.keep(~mask)  # new tensors: this layer is left as it is
+        part.keys, part.values = part.keys.to(dtype), part.values.to(dtype)
+        return part
+
+    @classmethod
+    def joined(cls, layers: list[LayerCache], dtype: torch.dtype) -> LayerCache:
+        """One layer holding every entry of `layers` (of one layer's shape), side by side in columns: attention
+        masks by position and `valid`, so the order of columns does not matter. Keys and values in `dtype`."""
+        fields = [torch.cat([getattr(layer, name).to(dtype) if name in ("keys", "values") else getattr(layer, name)
+                             for layer in layers], dim=1) for name in _FIELDS]
+        return cls(*fields, window=layers[0].window)
+
 
 def kept_first(mask: torch.Tensor) -> torch.Tensor:
     """Each row's column indices with the columns where `mask` is true first, in order (a stable sort), then the
@@ -233,6 +249,45 @@ def keep_orders(masks: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """For (L, H, C) keep masks: each head's kept columns first, in order (`LayerCache.keep`'s layout), and each
     layer's new capacity — one sort and one host sync for every layer."""
     return kept_first(masks), masks.sum(dim=-1).amax(dim=-1).tolist()
+
+
+class Evicted:
+    """What a read's evictions dropped from its scored layers, set aside while the read measures its drift: the
+    continuation that measures it is then sampled over these entries and the held ones together (`with_held`) — the
+    cache of the whole read — so the estimate covers every eviction, not only the last (docs/method.md, "Estimated
+    drift"). Keys and values are kept in float16 (half a float32 cache's bytes); past `max_bytes` everything set
+    aside is let go and the estimate covers the last eviction only (`whole` false), as it does where kept keys are
+    re-rotated (compact positions: the evicted ones could not sit among them)."""
+
+    def __init__(self, keeps_entries: bool, max_bytes: int, dtype: torch.dtype = torch.float16):
+        self.parts: dict[int, list[LayerCache]] | None = {} if keeps_entries else None
+        self.max_bytes, self.dtype = max_bytes, dtype
+        self.nbytes = 0
+        self.evictions = 0
+
+    @property
+    def whole(self) -> bool:
+        """Whether a cache made `with_held` holds every entry the read evicted (nothing evicted counts)."""
+        return self.evictions == 0 or self.parts is not None
+
+    def add(self, layers: Mapping[int, LayerCache], masks: torch.Tensor, widths: list[int]) -> None:
+        """Set aside what keep masks (L, H, C) over `layers` (the scored ones, in order) drop."""
+        self.evictions += 1
+        if self.parts is None:
+            return
+        for n, (i, layer) in enumerate(layers.items()):
+            part = layer.dropped(masks[n, :, : widths[n]], self.dtype)
+            self.parts.setdefault(i, []).append(part)
+            self.nbytes += part.nbytes()
+        if self.nbytes > self.max_bytes:
+            self.parts = None
+
+    def with_held(self, cache: KVCache) -> KVCache:
+        """`cache`'s layers joined with what was set aside from them (a new cache; `cache` is left as it is)."""
+        parts = self.parts or {}
+        dtype = cache.layers[0].keys.dtype if cache.layers else self.dtype
+        return KVCache([LayerCache.joined([layer, *parts[i]], dtype) if parts.get(i) else layer.clone()
+                        for i, layer in enumerate(cache.layers)])
 
 
 class KVCache:

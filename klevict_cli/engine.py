@@ -17,7 +17,7 @@ import torch
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, forward_context
-from klevict_cli.cache import KVCache, LayerStack, keep_orders, mask_columns, pad_stack
+from klevict_cli.cache import Evicted, KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
@@ -51,6 +51,8 @@ class Stream:
     reconstructed: int = 0  # positions before this were judged by reconstruction probes (Engine.reconstruct)
     drift: dict[str, float] | None = None  # the read's last eviction, measured on its drafts (Engine.measure_drift)
     stored_as: str | None = None  # the dtype the cache is to be stored in (Engine's `storage`), when one is set
+    # what the read's evictions dropped, set aside until its last eviction's drift is measured (not cloned)
+    evicted: Evicted | None = None
 
     @property
     def next_position(self) -> int:
@@ -117,6 +119,9 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # (seed 0, both texts, kl and kl-reconstruct, 48 pairs) their KL was 2.01x (10-90 %: 1.33-3.74x) the KL the bench
 # measured on the real continuation. The estimate is theirs times this (docs/method.md, "Estimated drift").
 DRIFT_CALIBRATION = 0.5
+# The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
+# a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
+EVICTED_BYTES = 1 << 30
 
 
 @dataclass(eq=False)
@@ -126,6 +131,8 @@ class Continuation:
 
     tokens: list[int]
     logits: torch.Tensor  # (len(tokens), vocab)
+    whole: bool = True  # sampled over every entry the read produced, not only those held at its last eviction
+    evicted_before: bool = False  # entries evicted before the last eviction are in it: keeping all held still drifts
 
 
 class Engine:
@@ -150,6 +157,7 @@ class Engine:
         measure_drift: bool = False,
         max_kl: float | None = None,
         storage: dict[str, int | None] | None = None,
+        evicted_bytes: int = EVICTED_BYTES,
     ):
         self.model = model
         self.adapter = adapter
@@ -181,6 +189,7 @@ class Engine:
         self.chooses_storage = len(self.storage) > 1 and policy.evicts
         measure_drift = measure_drift or max_kl is not None or self.chooses_storage
         self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
+        self.evicted_bytes = evicted_bytes  # the most of what it evicts a read sets aside to measure its drift
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
         self.shapes = adapter.layer_shapes()
@@ -195,7 +204,9 @@ class Engine:
         self.policy.reset()
         # stored as the storage says; where it offers a choice, the first (most bits) unless the last eviction
         # chooses another
-        return Stream(KVCache.empty(self.shapes, self.device, self.dtype), stored_as=next(iter(self.storage), None))
+        evicted = Evicted(self.mode == "original", self.evicted_bytes) if self.drift_generator is not None else None
+        return Stream(KVCache.empty(self.shapes, self.device, self.dtype), stored_as=next(iter(self.storage), None),
+                      evicted=evicted)
 
     # ---- one forward ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -268,6 +279,8 @@ class Engine:
                 progress(len(chunk))
         if logits is None:
             raise ValueError("nothing to read")
+        if evict:  # read: nothing more to measure (decoding's evictions set nothing aside)
+            stream.evicted = None
         stream.policy_state = self.policy.state()
         return logits[-1]
 
@@ -441,7 +454,7 @@ class Engine:
         # a cache that keeps every entry held (its values as they are: a refit over the whole softmax changes
         # nothing), stored as it is, drifts 0: nothing to measure
         unchanged = bool(kept(most).eq(LayerStack.of(self._scored_layers(stream)).valid).all()) \
-            and stream.stored_as is None
+            and stream.stored_as is None and not drafted.evicted_before
         budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
         return budget, measured.get(budget)
 
@@ -505,35 +518,43 @@ class Engine:
         return stored
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
-        """A continuation sampled for measuring the read's last eviction (`measure_drift`), token by token from the
-        cache before the choice, with that cache's logits for it; none unless the engine measures drift. Never the
-        look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds start from a
-        repeat of the last tokens read, so they copy more than the text that follows does."""
+        """A continuation sampled for measuring the read's drift (`measure_drift`), token by token from the cache of
+        the whole read — the one held before the last choice with what earlier evictions set aside (`Evicted`) —
+        with that cache's logits for it; none unless the engine measures drift. Never the look-ahead drafts: the
+        choice (and the refit) is fitted to those, and their Jacobi rounds start from a repeat of the last tokens
+        read, so they copy more than the text that follows does."""
         if self.drift_generator is None:
             return None
+        evicted, stream.evicted = stream.evicted, None  # let go once used: the last eviction needs none of it
+        whole = evicted is None or evicted.whole
+        before = evicted is not None and evicted.evictions > 0 and whole
+        # over every entry the read produced, where earlier evictions set them aside: the drift of the whole read
+        reference = Stream(evicted.with_held(stream.cache), list(stream.tokens), stream.next_rope) if before else stream
         count = min(DRIFT_DRAFTS, self.room(stream))
         tokens, rows = [], []
         logits = read_logits.reshape(-1, read_logits.shape[-1])[-1]
         for _ in range(count):
             tokens.append(sample(logits, 1.0, 1.0, self.drift_generator))
-            out, _ = self.forward(stream, tokens[-1:], logits_rows=1, probing=True)
+            out, _ = self.forward(reference, tokens[-1:], logits_rows=1, probing=True)
             logits = out[-1]
             rows.append(logits)
-        self.forget_drafts(stream, len(tokens))
-        return Continuation(tokens, torch.stack(rows)) if tokens else None
+        if reference is stream:
+            self.forget_drafts(stream, len(tokens))
+        return Continuation(tokens, torch.stack(rows), whole, before) if tokens else None
 
     def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
-        """How far the last eviction moved the model: a continuation sampled from the cache before the choice, read
-        again over the cache after it, and the mean KL of its next-token distributions against those before
-        (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that follows (`kl`, with a 95 %
-        interval over the sampled tokens)."""
+        """How far the read's evictions moved the model: a continuation sampled from the whole read's cache, read
+        again over the cache after the last choice, and the mean KL of its next-token distributions against those
+        before (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that follows (`kl`, with a
+        95 % interval over the sampled tokens). `covers`: "read", or "last eviction" where what earlier evictions
+        dropped could not be set aside (`Evicted`)."""
         after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True)
         self.forget_drafts(stream, len(drafted.tokens))
         kl = token_kl(drafted.logits, after)
         spread = float(kl.std()) if kl.numel() > 1 else 0.0
         sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(max(1, kl.numel()))
         return {"kl": DRIFT_CALIBRATION * sampled, "ci95": DRIFT_CALIBRATION * ci95, "drafts": kl.numel(),
-                "sampled_kl": sampled}
+                "sampled_kl": sampled, "covers": "read" if drafted.whole else "last eviction"}
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:
@@ -591,6 +612,8 @@ class Engine:
         if budget is not None and scored:
             stack = LayerStack.of(scored) if stack is None else stack
             masks = self._keep_masks(stream, scores, recent, budget, keep, stack)
+            if stream.evicted is not None:  # before the refit: what is set aside is what the read produced
+                stream.evicted.add(scored, masks, stack.widths)
             if targets:
                 for layer in scored.values():
                     layer.materialize()  # the refit writes into the values

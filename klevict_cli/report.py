@@ -107,8 +107,10 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
     if info["estimated_kl"] is not None:
         drift = info["estimated_kl"]
-        table.add_row("estimated drift", f"{drift['kl']:.4g} ± {drift['ci95']:.2g} nats per token (KL against the "
-                                         f"cache before the last eviction, on {drift['drafts']} drafted tokens)")
+        # files written before the estimate covered the whole read say nothing of it: theirs is the last eviction's
+        against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
+        table.add_row("estimated drift", f"{drift['kl']:.4g} ± {drift['ci95']:.2g} nats per token (KL against "
+                                         f"{against}, on {drift['drafts']} drafted tokens)")
     prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
                                    f"of the chat frame, then the document's) kept by some head, in {info['spans']} "

@@ -263,6 +263,7 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     plain = invoke("inspect", path)
     assert_ok(plain)
     assert "estimated drift" in plain.stdout and f"{drift['kl']:.4g}" in plain.stdout
+    assert drift["covers"] == "read" and "whole" in plain.stdout  # every eviction, not only the last
 
 
 def test_summarize_estimates_its_drift_only_when_asked(doc, model, tmp_path):

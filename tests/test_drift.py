@@ -50,6 +50,46 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     assert read(40)[1].drift == stream.drift
 
 
+def test_after_several_evictions_the_drift_is_measured_against_the_whole_read(monkeypatch):
+    """The continuation is sampled over every entry the read produced — what earlier evictions dropped was set
+    aside — not only over what was held at the last eviction. With one layer an entry's key and value depend on its
+    own token alone, so that cache is exactly the full read's: the sampled tokens' logits equal a full read's."""
+    seen = []
+    measure = Engine.measure_drift
+    monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
+        self, stream, drafted))
+    model = tiny_llama(seed=3, num_hidden_layers=1)
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=16), budget=20, chunk_size=32, probe_window=8,
+                    measure_drift=True)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)  # a working limit of 52 per head: evicted after most chunks
+    assert stream.drift["covers"] == "read" and stream.evicted is None  # let go once measured
+    full_engine = Engine(model, adapter_for(model), KL(), budget=None, chunk_size=32)
+    full = full_engine.new_stream()
+    full_engine.feed(full, ids)
+    drafts = seen[0].tokens
+    with torch.inference_mode():
+        expected, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
+    torch.testing.assert_close(seen[0].logits, expected, rtol=1e-4, atol=1e-4)
+    assert seen[0].evicted_before
+
+
+def test_where_the_evicted_cannot_be_set_aside_the_drift_says_it_covers_the_last_eviction_only():
+    """Kept keys re-rotated (compact positions: the evicted ones could not sit among them), or no bytes to hold
+    them (`--max-memory`): the estimate is the last eviction's, and says so."""
+    model = tiny_llama(seed=3)
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    covers = {}
+    for mode, room in (("original", 1 << 30), ("compact", 1 << 30), ("original", 0)):
+        engine = Engine(model, adapter_for(model), KL(lookahead=16), budget=20, chunk_size=32, probe_window=8,
+                        measure_drift=True, mode=mode, evicted_bytes=room)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        covers[mode, room] = stream.drift["covers"]
+    assert list(covers.values()) == ["read", "last eviction", "last eviction"]
+
+
 def test_a_tighter_budget_drifts_further_and_keeping_everything_does_not_drift():
     drifts = [read(budget)[1].drift["kl"] for budget in (100, 60, 20)]
     assert drifts[0] < drifts[1] < drifts[2]
