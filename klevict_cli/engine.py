@@ -119,6 +119,7 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # (seed 0, both texts, kl and kl-reconstruct, 48 pairs) their KL was 2.01x (10-90 %: 1.33-3.74x) the KL the bench
 # measured on the real continuation. The estimate is theirs times this (docs/method.md, "Estimated drift").
 DRIFT_CALIBRATION = 0.5
+DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
 # a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
 EVICTED_BYTES = 1 << 30
@@ -534,7 +535,7 @@ class Engine:
         tokens, rows = [], []
         logits = read_logits.reshape(-1, read_logits.shape[-1])[-1]
         for _ in range(count):
-            tokens.append(sample(logits, 1.0, 1.0, self.drift_generator))
+            tokens.append(sample(logits, DRIFT_TEMPERATURE, 1.0, self.drift_generator))
             out, _ = self.forward(reference, tokens[-1:], logits_rows=1, probing=True)
             logits = out[-1]
             rows.append(logits)
