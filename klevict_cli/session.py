@@ -20,7 +20,7 @@ from klevict_cli.adapter_check import adapter_for
 from klevict_cli.adapters import ModelAdapter
 from klevict_cli.cache import KVCache
 from klevict_cli.documents import Document
-from klevict_cli.engine import EVICTED_BYTES, WORKING_FACTOR, Engine, Plan, Stream, plan_positions
+from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
 from klevict_cli.models import LoadedModel
@@ -120,20 +120,19 @@ class Session:
         if self.model_state is not None:
             policy.adopt(self.model_state, self.kv_heads())
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
-        working = working_entries(settings.working, budget)
-        set_aside = EVICTED_BYTES
-        if settings.max_memory is not None and budget is not None:  # what is evicted is set aside within it only
-            held = working or max(WORKING_FACTOR * budget, budget + settings.chunk_size)
-            set_aside = max(0, settings.max_memory - self.estimate_peak_bytes(held, settings.chunk_size))
-        return Engine(
+        engine = Engine(
             self.lm.model, self.adapter, policy, budget,
             chunk_size=settings.chunk_size, probe_window=settings.probe_window, mode=mode, seed=settings.seed,
-            head_cap=head_cap, working=working, evicted_bytes=set_aside,
+            head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
             measure_drift=settings.measure_drift, max_kl=settings.max_kl,
             storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
         )
+        if settings.max_memory is not None and engine.budget is not None:  # what is evicted is set aside within it
+            engine.evicted_bytes = max(0, settings.max_memory - self.estimate_peak_bytes(engine.working,
+                                                                                         settings.chunk_size))
+        return engine
 
     # ---- reading -------------------------------------------------------------------------------------------
     def read(
