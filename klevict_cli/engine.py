@@ -290,7 +290,7 @@ class Engine:
         choice, from whether the document is re-read and what part of it the budget keeps)."""
         if not self.policy.needs_probes or (self.budget is None and self.max_kl is None and not self.chooses_storage):
             return 0
-        return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read) or 1.0)
+        return self.policy.draft_count(self.reconstruction is not None, self.kept_fraction(read) or 1.0, read)
 
     def recent_window(self, chunk_len: int, budget: int | None = None) -> int:
         """The last tokens read: they are the probes and are always kept (at most half of what the sinks leave of

@@ -259,13 +259,15 @@ def test_kl_with_reconstruction_keeps_what_the_re_reading_paid_attention_to(mode
         assert KL.COPY_EXTRA not in layer.extras  # the re-reading stands in for the read's own estimate of it
 
 def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
-    """With a re-reading, the look-ahead is sampled only where the last choice keeps at most `reread_drafts_up_to` of
-    the document; without one, whatever is kept; drafted in one forward from the read's own predictions without a re-reading, in two (one
-    Jacobi round more) with one. The drafts are forgotten either way."""
-    ids = torch.randint(0, 300, (90,)).tolist()
-    for source, budget, drafted in ((reconstruction(), 12, 8), (reconstruction(), 20, 0), (None, 20, 8)):
+    """With a re-reading, the look-ahead is sampled where the last choice keeps at most `reread_drafts_up_to` of the
+    document, or where the read is at least `cheap_drafts` times the drafts' two rounds; without one, whatever is kept; drafted in
+    one forward from the read's own predictions without a re-reading, in two (one Jacobi round more) with one. The
+    drafts are forgotten either way."""
+    for length, source, budget, drafted in ((90, reconstruction(), 12, 8), (90, reconstruction(), 20, 0),
+                                            (90, None, 20, 8), (260, reconstruction(), 80, 8)):
+        ids = torch.randint(0, 300, (length,)).tolist()
         policy = KL(lookahead=8)
-        assert policy.reread_drafts_up_to == 0.15
+        assert policy.reread_drafts_up_to == 0.15 and policy.cheap_drafts * 2 * 8 == 256
         engine = Engine(model, adapter_for(model), policy, budget=budget, chunk_size=32, probe_window=8,
                         reconstruction=source)
         assert engine.draft_count(len(ids)) == drafted
@@ -274,9 +276,10 @@ def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(mo
         engine.forward = lambda stream, chunk, **kw: appended.append(len(chunk)) or forward(stream, chunk, **kw)
         stream = engine.new_stream()
         engine.feed(stream, ids)
-        assert appended.count(drafted) == (0 if not drafted else 2 if source else 1)  # the drafts' forwards
+        rounds = 2 if source else 1  # the drafts' forwards are the read's last ones
+        assert (appended[-rounds:] == [8] * rounds) == bool(drafted)
         assert stream.tokens == ids and engine.held_per_head(stream) == budget
-    assert KL(lookahead=0).draft_count(reread=True, kept_fraction=0.1) == 0
+    assert KL(lookahead=0).draft_count(reread=True, kept_fraction=0.1, read=90) == 0
 
 
 def test_kl_drafts_in_two_rounds_where_the_second_is_cheap_against_the_read_or_the_document_is_re_read():

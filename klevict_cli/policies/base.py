@@ -113,9 +113,9 @@ class Policy:
         is re-read too."""
         return 2
 
-    def draft_count(self, reread: bool, kept_fraction: float) -> int:
-        """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of what was read;
-        `reread`: the document is re-read too."""
+    def draft_count(self, reread: bool, kept_fraction: float, read: int) -> int:
+        """How many look-ahead drafts probe the read's last eviction, which keeps `kept_fraction` of the `read`
+        tokens read; `reread`: the document is re-read too."""
         return self.lookahead
 
     def refits(self, final: bool, kept_fraction: float | None, reread: bool) -> bool:

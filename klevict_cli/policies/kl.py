@@ -64,10 +64,13 @@ class KL(Policy):
     COPY_EXTRA = "kl_copy"  # a re-reading's as the read's own queries estimate it (`observe`), where it is not
 
     # Constants, each set by a measurement on the tuning windows (docs/research-log.md); a subclass may change them.
-    # Where the document is re-read too, drafts probe the read's last choice only where it keeps at most this part of
-    # the document: above it the re-reading and the refit to the last tokens read did nearly as well (1.1-1.4x
-    # the KL at 20/50 %, still far below KVgrad's at 50 %) for about 0.3x a read less.
+    # Where the document is re-read too, drafts probe the read's last choice where it keeps at most this part of the
+    # document, and above it where they cost little (`cheap_drafts`).
     reread_drafts_up_to = 0.15
+    # Drafting costs little where the read is at least this many times the tokens its forwards read: what decides
+    # the drafts' second round without a re-reading, and drafts above `reread_drafts_up_to` with one (a re-read
+    # document drafts in two rounds: 2,048 tokens for 64 drafts).
+    cheap_drafts = 16
     # Without a re-reading, refit only where the read's last choice keeps at most this part of the document: the
     # refit's Gram products grow with the kept entries and cost about 0.1x a read at 20-50 % kept, for 3-4 % less
     # KL there (5-12 % at 10/5 %); with a re-reading it is worth 1.6-1.7x at 20-50 % and always runs.
@@ -173,7 +176,8 @@ class KL(Policy):
                 "rank": str(self.rank), "samples": str(self.samples), "lookahead": str(self.lookahead),
                 "refit": self.refit, "question_share": str(self.question_share), "copy_share": str(self.copy_share),
                 "calibrates": str(self.calibrates).lower(), "live_probes": str(self.live_probes).lower(),
-                "reread_drafts_up_to": str(self.reread_drafts_up_to), "refit_up_to": str(self.refit_up_to),
+                "reread_drafts_up_to": str(self.reread_drafts_up_to), "cheap_drafts": str(self.cheap_drafts),
+                "refit_up_to": str(self.refit_up_to),
                 "calibration_rows": str(self.calibration_rows), "copy_distance": str(self.copy_distance),
                 "refit_ridge": str(self.refit_ridge)}
 
@@ -185,12 +189,18 @@ class KL(Policy):
         most a sixteenth of the read (`read` >= 16 x `count`), and always where the document is re-read
         (`compress`): there the refit fits every kept value to the drafts, and to drafts that repeat the read it
         overfit one tuning window (KL 0.15 -> 0.56 at 32 entries per head; docs/research-log.md)."""
-        return 2 if reread or read >= 16 * count else 1
+        return 2 if reread or read >= self.cheap_drafts * count else 1
 
-    def draft_count(self, reread: bool, kept_fraction: float) -> int:
-        if not reread:
+    def draft_count(self, reread: bool, kept_fraction: float, read: int) -> int:
+        """Drafts for every read not re-read; for a re-read one where the choice keeps little of it, or where they
+        cost little (`cheap_drafts`). Above 15 % kept the re-reading and the refit to the last tokens read choose
+        well without them, but not as well: with them 0.4-0.9x the KL at 20 / 50 % on the tuning windows of 512 to
+        4,096 tokens (12 of 12 lower), for 1.1x a read more on a 324-token note, 0.4x at 1,024 tokens and 0.0-0.2x at
+        4,096 (docs/research-log.md)."""
+        drafting = self.draft_rounds(reread, read, self.lookahead) * self.lookahead
+        if not reread or kept_fraction <= self.reread_drafts_up_to or read >= self.cheap_drafts * drafting:
             return self.lookahead
-        return self.lookahead if kept_fraction <= self.reread_drafts_up_to else 0
+        return 0
 
     def refits(self, final: bool, kept_fraction: float | None, reread: bool) -> bool:
         fraction = 0.0 if kept_fraction is None else kept_fraction
