@@ -10,7 +10,8 @@ the weights' fingerprint; other models calibrate on each document.
 
 A file may also carry the model's `copy_share` (kl's share of the budget for the read's own estimate of what a
 re-reading needs), where it was measured to differ from the default: the estimate's worth belongs to the model too
-(docs/method.md, "the copy share is the model's").
+(docs/method.md, "the copy share is the model's"); and its `relied_on`, where the model's re-reading relies on so
+much of a document that its scores stop telling which entries it needs more (`KL.relied_on`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def shipped(weights_sha256: str) -> dict[str, str] | None:
 
 
 def state_of(data: dict) -> dict[str, str]:
-    """A calibration file's ratios, and the model's copy share where it has its own, as policy state (what
+    """A calibration file's ratios, and the model's copy share and `relied_on` where it has its own, as policy state (what
     `Policy.adopt` takes)."""
     state = {"calibration": json.dumps(data["ratios"])} if "ratios" in data else {}
-    if "copy_share" in data:
-        state["copy_share"] = str(data["copy_share"])
+    for key in ("copy_share", "relied_on"):
+        if key in data:
+            state[key] = str(data[key])
     return state

@@ -447,7 +447,21 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
         else:  # calibrates on each document
             assert policy.adopted is None
         assert policy.copy_share == data.get("copy_share", KL().copy_share)
+        assert policy.relied_on == data.get("relied_on", KL().relied_on)
     assert calibrations.shipped("0" * 64) is None
+
+
+def test_a_model_that_ships_its_own_relied_on_chooses_its_question_share_with_it():
+    """A model's shipped `relied_on` (calibrations.py) switches the question share to the KL ranking's choice among
+    what the re-reading relies on (tests/test_peers.py tests the choice); the parameters say so; a value outside
+    (0, 1] is refused; without one it is off."""
+    assert KL().relied_on is None
+    policy = KL()
+    policy.adopt({"relied_on": "0.5"}, [2, 2])
+    assert policy.relied_on == 0.5 and policy.params()["relied_on"] == "0.5"
+    for bad in ("0", "-0.2", "1.5"):
+        with pytest.raises(ValueError):
+            KL().adopt({"relied_on": bad}, [2, 2])
 
 
 def test_a_model_that_ships_its_own_copy_share_reads_with_it():

@@ -329,6 +329,38 @@ def test_a_share_of_the_budget_is_kept_for_what_a_re_reading_needs_most(model, r
     assert not any((got[i] - plain[i])[step.kept_anyway(stream.cache.layers[i])].any() for i in layers)
 
 
+def test_where_the_re_reading_relies_on_more_than_the_share_holds_the_kl_ranking_chooses_among_them(model):
+    """An entry a copying query paid at least `relied_on` of its attention is one the re-reading relies on; where
+    there are more of them than the question share holds, their scores no longer say which it needs more, so the
+    share takes those with the highest KL scores among them; where they fit, the share is as before."""
+    ids = torch.randint(0, 300, (90,)).tolist()
+    engine = Engine(model, adapter_for(model), KL(lookahead=4, question_share=0.25), budget=40, chunk_size=32,
+                    probe_window=8, reconstruction=reconstruction())
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    kl, layers = engine.policy, list(range(len(stream.cache.layers)))
+    with torch.inference_mode():
+        logits, ctx = engine.probe_again(stream, 8)
+        step = engine.eviction_step(stream, ctx, logits, 8, budget=20, recent=8)
+        plain = kl.probe_scores(step, layers)
+        valid = [stream.cache.layers[i].valid & ~step.kept_anyway(stream.cache.layers[i]) for i in layers]
+        stored = torch.cat([stream.cache.layers[i].extras[KL.QUESTION_EXTRA][v] for i, v in zip(layers, valid)])
+        scores = torch.cat([plain[i][v] for i, v in zip(layers, valid)])
+        count = int(0.25 * (20 - 4 - 8) * sum(v.shape[0] for v in valid))
+        for relied_on, overflows in ((float(stored.quantile(0.5)), True), (float(stored.max()) + 1.0, False)):
+            kl.relied_on = relied_on
+            got = kl.score_layers(step, layers)
+            lifted = torch.cat([(got[i] - plain[i])[v] for i, v in zip(layers, valid)]) > 0
+            relied = stored >= relied_on
+            assert int(relied.sum()) > count if overflows else not relied.any()
+            assert int(lifted.sum()) == count
+            if overflows:  # the relied-on entries the KL ranking values most
+                assert not (lifted & ~relied).any()
+                assert scores[lifted].min() >= scores[relied & ~lifted].max()
+            else:  # as without the switch: the re-reading's highest scores
+                assert torch.equal(lifted, stored >= stored.topk(count).values[-1])
+
+
 def assert_max_of_restricted_attention(got, weights, inside, judged, factor):
     """By loops: each judged entry's score is the max over its group's query heads h and the rows t of its attention
     renormalised over `inside`, times factor(h, t, j); 0 for entries not judged (2 query heads per KV head)."""

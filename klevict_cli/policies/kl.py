@@ -75,6 +75,13 @@ class KL(Policy):
     # refit's Gram products grow with the kept entries and cost about 0.1x a read at 20-50 % kept, for 3-4 % less
     # KL there (5-12 % at 10/5 %); with a re-reading it is worth 1.6-1.7x at 20-50 % and always runs.
     refit_up_to = 0.15
+    # Where the re-reading relies on more entries than the question share holds (it paid each at least this much
+    # attention), the share takes those the KL ranking values most (`reserve_for_questions`). A model's own, shipped
+    # where measured (`adopt`): Gemma-3-270M's copy heads pay nearly every token almost all their attention, and with
+    # 0.5 its `compress` reading had 0.87-0.98x `kl`'s KL instead of 1.10-1.91x at 20 / 5 % of 4,096-token tuning
+    # windows; SmolLM2's re-reading ranks what it relies on usefully (at 10 % of 320-token notes 7 / 40 facts kept
+    # with it, 16 / 40 without), so by default it is off (docs/research-log.md, "what Gemma's re-reading relies on").
+    relied_on: float | None = None
     # The calibration's backward pass runs over the last this-many probes only: a per-head ratio needs a sample of
     # probes, not every draft (a read kept whole until its last eviction calibrates on drafts).
     calibration_rows = 32
@@ -145,7 +152,7 @@ class KL(Policy):
         """Use the model's shipped calibration instead of a backward pass on each document: on the tuning windows
         it kept the same KL for `summarize` and `compress` alike (0.98-1.01x at 512 tokens, 4,096 in
         docs/research-log.md), and the backward pass is a fixed cost that weighs most on short documents. And the
-        model's own copy share, where it ships one (its estimate's worth is the model's: `copy_share`)."""
+        model's own copy share and `relied_on`, where it ships them (their worth is the model's: `copy_share`)."""
         self.restore(state, kv_heads)
         self.adopted = self.calibration
         if "copy_share" in state:
@@ -153,6 +160,11 @@ class KL(Policy):
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"the model's copy share must be within [0, 1], not {share}")
             self.copy_share, self.observes = share, share > 0
+        if "relied_on" in state:
+            relied_on = float(state["relied_on"])
+            if not 0.0 < relied_on <= 1.0:
+                raise ValueError(f"the model's relied_on must be within (0, 1], not {relied_on}")
+            self.relied_on = relied_on
 
     def state(self) -> dict[str, str]:
         if self.calibration is None:
@@ -179,7 +191,7 @@ class KL(Policy):
                 "reread_drafts_up_to": str(self.reread_drafts_up_to), "cheap_drafts": str(self.cheap_drafts),
                 "refit_up_to": str(self.refit_up_to),
                 "calibration_rows": str(self.calibration_rows), "copy_distance": str(self.copy_distance),
-                "refit_ridge": str(self.refit_ridge)}
+                "refit_ridge": str(self.refit_ridge), "relied_on": str(self.relied_on)}
 
     def draft_rounds(self, reread: bool, read: int, count: int) -> int:
         """One round for a short read that is not re-read: the drafts are then the read's own predictions of its
@@ -248,11 +260,23 @@ class KL(Policy):
         if count <= 0:
             return scores
         threshold = flat.topk(count).values[-1]  # -inf if fewer are valid: then every valid entry is lifted
+        chosen = {i: candidates[i] & (s.float() >= threshold) for i, s in stored.items()}
+        if self.relied_on is not None and int((flat >= self.relied_on).sum()) > count:  # one host sync
+            chosen = self._most_needed_of_relied_on(scores, stored, candidates, count)
         lift = torch.stack([s.float().max() for s in scores.values()]).max() + 1.0  # no value read back
-        for i, s in stored.items():
-            chosen = candidates[i] & (s.float() >= threshold)
-            scores[i] = scores[i] + lift.to(scores[i]) * chosen.to(scores[i])
+        for i in stored:
+            scores[i] = scores[i] + lift.to(scores[i]) * chosen[i].to(scores[i])
         return scores
+
+    def _most_needed_of_relied_on(self, scores: dict[int, torch.Tensor], stored: dict[int, torch.Tensor],
+                                  candidates: dict[int, torch.Tensor], count: int) -> dict[int, torch.Tensor]:
+        """Where the re-reading relies on more entries than the share holds (a copying query paid each at least
+        `relied_on` of its attention), their re-reading scores no longer say which it needs more — a copy needs each
+        — so the share takes those the text that follows needs most (their KL scores), by one top-k over every layer."""
+        relied = {i: candidates[i] & (s.float() >= self.relied_on) for i, s in stored.items()}
+        flat = torch.cat([scores[i].float().masked_fill(~relied[i], float("-inf")).flatten() for i in stored])
+        threshold = flat.topk(count).values[-1]
+        return {i: relied[i] & (scores[i].float() >= threshold) for i in stored}
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         """Store, per judged entry, the most attention the re-reading of its span paid it (KVzip's score): what the
