@@ -45,7 +45,6 @@ from klevict_kernels.kl import token_kl
 from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
-from klevict_cli.policies import make_policy
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import summary
@@ -516,7 +515,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
             "interval": "mean ± 1.96·sd/√n over windows",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(session),
-            "method_params": {m: make_policy(m).params() for m in settings.methods},
+            "method_params": {m: session.policy(m).params() for m in settings.methods},
             "versions": {"klevict": __version__, "torch": torch.__version__, "transformers": _transformers_version(),
                          "python": platform.python_version()},
         },

@@ -113,12 +113,17 @@ class Session:
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
 
-    def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
-               head_cap: int | None = None, storage: dict[str, int | None] | None = None) -> Engine:
+    def policy(self, method: str):
+        """`method`'s policy as this model reads with it: from the state klevict ships for the model, if any."""
         policy = make_policy(method)
-        wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
         if self.model_state is not None:
             policy.adopt(self.model_state, self.kv_heads())
+        return policy
+
+    def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
+               head_cap: int | None = None, storage: dict[str, int | None] | None = None) -> Engine:
+        policy = self.policy(method)
+        wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
         engine = Engine(
             self.lm.model, self.adapter, policy, budget,
@@ -256,7 +261,7 @@ class Session:
         max_new = min(gen.max_new_tokens, room)
         # Compact mode: decode-phase eviction must leave every head short enough for the rest of the answer.
         head_cap = self.adapter.max_positions - max_new if mode == "compact" else None
-        engine = Engine(self.lm.model, self.adapter, make_policy(method), budget, chunk_size=max(len(suffix), 1),
+        engine = Engine(self.lm.model, self.adapter, self.policy(method), budget, chunk_size=max(len(suffix), 1),
                         mode=mode, seed=seed, head_cap=head_cap)
         engine.policy.restore(work.policy_state, self.kv_heads())  # e.g. kl's calibration: not learnt again
         start = time.perf_counter()
@@ -318,7 +323,7 @@ class Session:
             "budget": str(settings.budget) if settings.budget is not None else "all",
             "budget_tokens": str(result.plan.budget) if result.plan.budget is not None else "all",
             "method": settings.method,
-            "method_params": json.dumps(make_policy(settings.method).params(), sort_keys=True),
+            "method_params": json.dumps(self.policy(settings.method).params(), sort_keys=True),
             "method_state": json.dumps(stream.policy_state, sort_keys=True),
             "chunk_size": str(settings.chunk_size),
             "probe_window": str(settings.probe_window),

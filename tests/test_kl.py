@@ -464,6 +464,26 @@ def test_a_model_that_ships_its_own_relied_on_chooses_its_question_share_with_it
             KL().adopt({"relied_on": bad}, [2, 2])
 
 
+def test_a_cache_records_the_parameters_its_model_read_with():
+    """The parameters a `.kvc` file records are those of the policy the read used: with the model's shipped state,
+    not the class defaults."""
+    import json
+
+    from klevict_cli.documents import Document
+    from klevict_cli.options import parse_budget
+    from klevict_cli.session import ReadSettings
+    from tests.conftest import tiny_session
+
+    session = tiny_session()
+    session.model_state = {"copy_share": "0.0", "relied_on": "0.5"}
+    assert session.policy("kl").params()["relied_on"] == "0.5"
+    result = session.read_tokens(torch.randint(0, 300, (60,)).tolist(),
+                                 ReadSettings(budget=parse_budget("16"), method="kl", measure_drift=False),
+                                 document=Document("", "note.txt", "0" * 64))
+    params = json.loads(session.cache_file(result).metadata["method_params"])
+    assert params["copy_share"] == "0.0" and params["relied_on"] == "0.5"
+
+
 def test_a_model_that_ships_its_own_copy_share_reads_with_it():
     """A model's shipped copy share (calibrations.py) replaces the default: with 0 the read is not observed and no
     entry is lifted above the look-ahead's scores; the bench's parameters say so; a share outside [0, 1] is refused."""
