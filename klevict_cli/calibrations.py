@@ -32,8 +32,8 @@ def shipped(weights_sha256: str) -> dict[str, str] | None:
 
 
 def state_of(data: dict) -> dict[str, str]:
-    """A calibration file's ratios, and the model's copy share and `relied_on` where it has its own, as policy state (what
-    `Policy.adopt` takes)."""
+    """A calibration file's ratios, and the model's copy share and `relied_on` where it has its own, as policy state
+    (what `Policy.adopt` takes)."""
     state = {"calibration": json.dumps(data["ratios"])} if "ratios" in data else {}
     for key in ("copy_share", "relied_on"):
         if key in data:

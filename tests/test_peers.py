@@ -260,9 +260,9 @@ def test_kl_with_reconstruction_keeps_what_the_re_reading_paid_attention_to(mode
 
 def test_kl_drafts_a_share_of_its_look_ahead_when_the_document_is_re_read_too(model):
     """With a re-reading, the look-ahead is sampled where the last choice keeps at most `reread_drafts_up_to` of the
-    document, or where the read is at least `cheap_drafts` times the drafts' two rounds; without one, whatever is kept; drafted in
-    one forward from the read's own predictions without a re-reading, in two (one Jacobi round more) with one. The
-    drafts are forgotten either way."""
+    document, or where the read is at least `cheap_drafts` times the drafts' two rounds; without one, whatever is
+    kept; drafted in one forward from the read's own predictions without a re-reading, in two (one Jacobi round more)
+    with one. The drafts are forgotten either way."""
     for length, source, budget, drafted in ((90, reconstruction(), 12, 8), (90, reconstruction(), 20, 0),
                                             (90, None, 20, 8), (260, reconstruction(), 80, 8)):
         ids = torch.randint(0, 300, (length,)).tolist()

@@ -253,30 +253,23 @@ class KL(Policy):
         re-reading it needs, and at tight budgets a weighted sum lets the next text's needs crowd it out."""
         layers = {i: step.cache.layers[i] for i in stored}
         candidates = {i: _seen(layer) & ~step.kept_anyway(layer) for i, layer in layers.items()}
-        flat = torch.cat([s.float().masked_fill(~candidates[i], float("-inf")).flatten() for i, s in stored.items()])
         heads = sum(layer.valid.shape[0] for layer in layers.values())
         # a share of what the floor (sinks, recent window) leaves: the KL ranking always chooses the rest of it
-        count = min(int(share * step.chosen_per_head * heads), flat.numel())
+        count = min(int(share * step.chosen_per_head * heads), sum(s.numel() for s in stored.values()))
         if count <= 0:
             return scores
-        threshold = flat.topk(count).values[-1]  # -inf if fewer are valid: then every valid entry is lifted
-        chosen = {i: candidates[i] & (s.float() >= threshold) for i, s in stored.items()}
-        if self.relied_on is not None and int((flat >= self.relied_on).sum()) > count:  # one host sync
-            chosen = self._most_needed_of_relied_on(scores, stored, candidates, count)
+        chosen = _top(stored, candidates, count)
+        if self.relied_on is not None:
+            # Where the re-reading relies on more entries than the share holds (a copying query paid each at least
+            # `relied_on` of its attention), their scores no longer say which it needs more — a copy needs each — so
+            # the share takes those the text that follows needs most (their KL scores).
+            relied = {i: candidates[i] & (s.float() >= self.relied_on) for i, s in stored.items()}
+            if int(sum(r.sum() for r in relied.values())) > count:  # one host sync
+                chosen = _top(scores, relied, count)
         lift = torch.stack([s.float().max() for s in scores.values()]).max() + 1.0  # no value read back
         for i in stored:
             scores[i] = scores[i] + lift.to(scores[i]) * chosen[i].to(scores[i])
         return scores
-
-    def _most_needed_of_relied_on(self, scores: dict[int, torch.Tensor], stored: dict[int, torch.Tensor],
-                                  candidates: dict[int, torch.Tensor], count: int) -> dict[int, torch.Tensor]:
-        """Where the re-reading relies on more entries than the share holds (a copying query paid each at least
-        `relied_on` of its attention), their re-reading scores no longer say which it needs more — a copy needs each
-        — so the share takes those the text that follows needs most (their KL scores), by one top-k over every layer."""
-        relied = {i: candidates[i] & (s.float() >= self.relied_on) for i, s in stored.items()}
-        flat = torch.cat([scores[i].float().masked_fill(~relied[i], float("-inf")).flatten() for i in stored])
-        threshold = flat.topk(count).values[-1]
-        return {i: relied[i] & (scores[i].float() >= threshold) for i in stored}
 
     def absorb_reconstruction(self, step: EvictionStep, layer_ids: list[int]) -> None:
         """Store, per judged entry, the most attention the re-reading of its span paid it (KVzip's score): what the
@@ -360,6 +353,14 @@ class KL(Policy):
                                              / scale, fold_probes=live)
         return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / scale, fold_probes=live)
                 for i in layer_ids}
+
+
+def _top(values: dict[int, torch.Tensor], allowed: dict[int, torch.Tensor], count: int) -> dict[int, torch.Tensor]:
+    """Per layer, the allowed entries among the `count` highest `values`, by one top-k over every layer and head
+    (every allowed entry where fewer are allowed; ties at the cut all count)."""
+    flat = torch.cat([values[i].float().masked_fill(~allowed[i], float("-inf")).flatten() for i in allowed])
+    threshold = flat.topk(count).values[-1]
+    return {i: allowed[i] & (values[i].float() >= threshold) for i in allowed}
 
 
 def _seen(layer) -> torch.Tensor:
