@@ -46,6 +46,25 @@ class LayerProbe:
         return torch.arange(c, device=layer.valid.device).expand(h, c), layer.valid
 
 
+@dataclass(frozen=True)
+class Lanes:
+    """Independent continuations side by side at a stream's end (Engine.drafts_for_drift): the entries from true
+    position `start` on, and the tokens of the forward, belong to lane (position - start) % `count` and see only
+    their own lane's entries besides everything before `start`. Their rotary positions advance by one per step of
+    `count` tokens (Engine.forward), so each lane sits where a single continuation would."""
+
+    start: int
+    start_rope: int
+    count: int
+
+    def rope(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.start_rope + torch.div(positions - self.start, self.count, rounding_mode="floor")
+
+    def lane(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each position's lane; -1 before `start`."""
+        return torch.where(positions >= self.start, (positions - self.start) % self.count, -1)
+
+
 @dataclass
 class ForwardContext:
     cache: KVCache
@@ -66,6 +85,18 @@ class ForwardContext:
     # (T,) true positions of the tokens in this forward, the largest in the stream: with `attend_entries`, how its
     # own tokens are told apart from the cache (Engine.forward sets both)
     positions: torch.Tensor | None = None
+    lanes: Lanes | None = None  # the forward's tokens continue independent lanes (true positions in `positions`)
+
+    def allowed(self, layer, query_positions: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """`attention_mask` of the forward's last len(`query_positions`) tokens as the forward attends: the visible
+        entries, causal by rotary position (and window), and within each token's lane if there are lanes."""
+        allowed = attention_mask(layer, query_positions, self.visible(layer), columns)
+        if self.lanes is not None:
+            entries = layer.positions if columns is None else layer.positions.gather(1, columns)
+            entry_lane = self.lanes.lane(entries)[:, None, :]
+            own = self.lanes.lane(self.positions[-query_positions.shape[0]:])[None, :, None]
+            allowed &= (entry_lane < 0) | (entry_lane == own)
+        return allowed
 
     def visible(self, layer) -> torch.Tensor:
         """(H_kv, C) bool: the entries of `layer` this forward attends to (causality and windows apart): the
@@ -197,7 +228,7 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
     lse = None
     visible = ctx.visible(layer)
-    if _can_split(layer, query, value):
+    if _can_split(layer, query, value) and ctx.lanes is None:
         k, v, past_visible = key, value, visible[:, : key.shape[2] - query.shape[2]]
         if ctx.attend_entries is not None:  # attend to the few visible past entries only: gather them
             k, v, past_visible = _gather_past(k, v, past_visible, query.shape[2])
@@ -205,20 +236,20 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out, lse = _attend_past_then_chunk(query, k, v, past_visible, groups, scaling)
     else:
-        out = _attend_grouped(query, key, value, attention_mask(layer, ctx.query_positions, visible), scaling)
+        out = _attend_grouped(query, key, value, ctx.allowed(layer, ctx.query_positions), scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.observer is not None:
         if lse is None:
-            lse = _log_sum_exp(query, key, attention_mask(layer, ctx.query_positions, visible), scaling)
+            lse = _log_sum_exp(query, key, ctx.allowed(layer, ctx.query_positions), scaling)
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling, lse[0])
     if ctx.probe_rows:
-        ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
+        ctx.probes[layer_idx] = _probe(ctx, layer, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:
-    """The probe rows' statistics: their attention over the `visible` cache entries (ForwardContext.visible, as the
+def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerProbe:
+    """The probe rows' statistics: their attention over the cache entries they see (ForwardContext.allowed, as the
     forward attended; or over `ctx.probe_entries` only), queries and head outputs. Where the attention kernel gave
     each row's log-sum-exp, the weights are exp(logit - lse), normalised as the forward normalised them.
 
@@ -235,7 +266,7 @@ def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -
         keys = keys.gather(1, columns[..., None].expand(-1, -1, keys.shape[-1]))
     rows_of_group = (q.float() * scaling).reshape(h_kv, groups * w, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(h_kv, groups, w, -1)
-    allowed = attention_mask(layer, ctx.query_positions[-w:], visible, columns)  # (H_kv, W, n)
+    allowed = ctx.allowed(layer, ctx.query_positions[-w:], columns)  # (H_kv, W, n)
     if columns is not None:
         allowed &= present[:, None, :]
     logits.masked_fill_(~allowed[:, None], float("-inf"))

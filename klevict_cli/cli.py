@@ -105,7 +105,7 @@ MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up f
                                                 "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
-                                                 "moved the model (estimated_kl; 32 sampled tokens, about 1.5 s on "
+                                                 "moved the model (estimated_kl; 4 x 32 sampled tokens, 1-4 s on "
                                                  "a CPU). Default: on for compress, off for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
                                                "(mean next-token KL, nats per token) is at most this; --budget is "

@@ -16,7 +16,7 @@ import torch
 
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
-from klevict_cli.attention import ForwardContext, forward_context
+from klevict_cli.attention import ForwardContext, Lanes, forward_context
 from klevict_cli.cache import Evicted, KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
@@ -113,12 +113,36 @@ def plan_positions(
     return Plan(mode, budget, notes, head_cap)
 
 
-DRIFT_DRAFTS = 32  # sampled tokens that measure the read's last eviction (`Engine.drafts_for_drift`)
+# The read's drift is measured on DRIFT_LANES continuations of DRIFT_DRAFTS tokens sampled side by side
+# (`Engine.drafts_for_drift`, attention.Lanes): one continuation's KL depends on the sample (six of one window were
+# 4-17x apart), and on a CPU a forward of 4 tokens costs about 1.4x one of a single token. On the seed-0 tuning
+# windows (512-4,096 tokens, 120 window x budget pairs) 4 x 32 ranked caches better than 1 x 32 (Spearman 0.86 /
+# 0.84; within 1.5x at each one's best calibration 54 % / 46 %, and 46 % / 38 % at 4,096 tokens) for 1.6x its cost;
+# 4 x 16 about as well as 1 x 32 (0.86, 52 %) for 0.8x. So a read samples 32 tokens per lane where that costs little
+# (the read at least DRIFT_CHEAP times the lanes' tokens: 2,048 tokens, as for the look-ahead's second round), and
+# 16 where not (docs/research-log.md, "the drift in lanes, again").
+DRIFT_DRAFTS = 32
+DRIFT_LANES = 4
+DRIFT_CHEAP = 16
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
-# The model's own samples (temperature 1) move further than the text that follows: on the 512-token tuning windows
-# (seed 0, both texts, kl and kl-reconstruct, 48 pairs) their KL was 2.01x (10-90 %: 1.33-3.74x) the KL the bench
-# measured on the real continuation. The estimate is theirs times this (docs/method.md, "Estimated drift").
-DRIFT_CALIBRATION = 0.5
+# The model's own samples (temperature 1) move further than the text that follows, and less so the longer the read
+# (the real text of a long read needs more of what was evicted: names copied from far back). The estimate is the
+# sampled KL times a calibration that depends on the read's length: at each of these read lengths (tokens), the
+# median of measured / sampled KL on the seed-0 tuning windows of the default model (both texts, kl and
+# kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head); between them interpolated in log(length), beyond
+# them the nearest (docs/method.md, "Estimated drift"); every model reads with these.
+DRIFT_CALIBRATION = ((512, 0.52), (1024, 0.81), (4096, 0.87))
+
+
+def drift_calibration(points: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """The calibration at a read of `tokens` tokens: `points` (length, calibration) interpolated in log(length)."""
+    points = sorted(points)
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (n0, c0), (n1, c1) in zip(points, points[1:]):
+        if tokens <= n1:
+            return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
+    return points[-1][1]
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
 # a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
@@ -130,8 +154,9 @@ class Continuation:
     """Tokens sampled past the end of a read to measure an eviction (`Engine.drafts_for_drift`), and the logits that
     followed each over the cache before the choice."""
 
-    tokens: list[int]
+    tokens: list[int]  # step-major: lane = index % lanes
     logits: torch.Tensor  # (len(tokens), vocab)
+    lanes: int = 1
     whole: bool = True  # sampled over every entry the read produced, not only those held at its last eviction
     evicted_before: bool = False  # entries evicted before the last eviction are in it: keeping all held still drifts
 
@@ -214,21 +239,23 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        rope_start: int | None = None,
+        rope_start: int | None = None, lanes: Lanes | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
         see only the cached entries it marks (and each other). `probing`: the tokens are probes that will be
         forgotten (drafts, a re-reading), which policies that observe every forward do not see. `rope_start`: the
-        tokens' first rotary position, if not the stream's next (`place`). Returns the logits of the last
-        `logits_rows` tokens (default: max(1, probe_rows))."""
+        tokens' first rotary position, if not the stream's next (`place`). `lanes`: the tokens continue independent
+        lanes (attention.Lanes) begun at or before this forward. Returns the logits of the last `logits_rows` tokens
+        (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         start = stream.next_rope if rope_start is None else rope_start
-        rope = torch.arange(start, start + t, device=self.device)
+        rope = torch.arange(start, start + t, device=self.device) if lanes is None else lanes.rope(positions)
         stream.cache.begin(positions, rope)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
-                             probe_entries=probe_entries, attend_entries=attend_entries, positions=positions)
+                             probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
+                             lanes=lanes)
         with forward_context(ctx):
             out = run_with_cache(
                 self.model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
@@ -519,9 +546,10 @@ class Engine:
         return stored
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
-        """A continuation sampled for measuring the read's drift (`measure_drift`), token by token from the cache of
-        the whole read — the one held before the last choice with what earlier evictions set aside (`Evicted`) —
-        with that cache's logits for it; none unless the engine measures drift. Never the look-ahead drafts: the
+        """A continuation sampled for measuring the read's drift (`measure_drift`): DRIFT_LANES independent ones side
+        by side, token by token from the cache of the whole read — the one held before the last choice with what
+        earlier evictions set aside (`Evicted`) — with that cache's logits for them; none unless the engine measures
+        drift. Never the look-ahead drafts: the
         choice (and the refit) is fitted to those, and their Jacobi rounds start from a repeat of the last tokens
         read, so they copy more than the text that follows does."""
         if self.drift_generator is None:
@@ -531,31 +559,38 @@ class Engine:
         before = evicted is not None and evicted.evictions > 0 and whole
         # over every entry the read produced, where earlier evictions set them aside: the drift of the whole read
         reference = Stream(evicted.with_held(stream.cache), list(stream.tokens), stream.next_rope) if before else stream
-        count = min(DRIFT_DRAFTS, self.room(stream))
+        cheap = stream.next_position >= DRIFT_CHEAP * DRIFT_LANES * DRIFT_DRAFTS
+        steps = min(DRIFT_DRAFTS if cheap else DRIFT_DRAFTS // 2, self.room(stream))
+        lanes = Lanes(reference.next_position, reference.next_rope, DRIFT_LANES)
         tokens, rows = [], []
-        logits = read_logits.reshape(-1, read_logits.shape[-1])[-1]
-        for _ in range(count):
-            tokens.append(sample(logits, DRIFT_TEMPERATURE, 1.0, self.drift_generator))
-            out, _ = self.forward(reference, tokens[-1:], logits_rows=1, probing=True)
-            logits = out[-1]
+        logits = read_logits.reshape(-1, read_logits.shape[-1])[-1:].expand(DRIFT_LANES, -1)
+        for _ in range(steps):
+            step = [sample(row, DRIFT_TEMPERATURE, 1.0, self.drift_generator) for row in logits]
+            logits, _ = self.forward(reference, step, logits_rows=DRIFT_LANES, probing=True, lanes=lanes)
+            tokens += step
             rows.append(logits)
         if reference is stream:
             self.forget_drafts(stream, len(tokens))
-        return Continuation(tokens, torch.stack(rows), whole, before) if tokens else None
+        return Continuation(tokens, torch.cat(rows), DRIFT_LANES, whole, before) if tokens else None
 
     def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
         """How far the read's evictions moved the model: a continuation sampled from the whole read's cache, read
-        again over the cache after the last choice, and the mean KL of its next-token distributions against those
-        before (`sampled_kl`) — times DRIFT_CALIBRATION, an estimate of the KL of the text that follows (`kl`, with a
-        95 % interval over the sampled tokens). `covers`: "read", or "last eviction" where what earlier evictions
-        dropped could not be set aside (`Evicted`)."""
-        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True)
+        again over the cache after the last choice (its lanes in one forward), and the mean KL of its next-token
+        distributions against those before (`sampled_kl`) — times the calibration at the read's length
+        (`drift_calibration`; `calibration`), an estimate of the KL of the text that follows (`kl`, with a 95 %
+        interval over the lanes: a lane's tokens are not independent samples). `covers`: "read", or "last eviction"
+        where what earlier evictions dropped could not be set aside (`Evicted`)."""
+        lanes = Lanes(stream.next_position, stream.next_rope, drafted.lanes)
+        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True, lanes=lanes)
         self.forget_drafts(stream, len(drafted.tokens))
         kl = token_kl(drafted.logits, after)
-        spread = float(kl.std()) if kl.numel() > 1 else 0.0
-        sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(max(1, kl.numel()))
-        return {"kl": DRIFT_CALIBRATION * sampled, "ci95": DRIFT_CALIBRATION * ci95, "drafts": kl.numel(),
-                "sampled_kl": sampled, "covers": "read" if drafted.whole else "last eviction"}
+        per_lane = kl.view(-1, drafted.lanes).mean(dim=0)
+        spread = float(per_lane.std()) if per_lane.numel() > 1 else 0.0
+        sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(per_lane.numel())
+        calibration = drift_calibration(DRIFT_CALIBRATION, stream.next_position)
+        return {"kl": calibration * sampled, "ci95": calibration * ci95, "drafts": kl.numel(),
+                "sampled_kl": sampled, "calibration": calibration,
+                "covers": "read" if drafted.whole else "last eviction"}
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:

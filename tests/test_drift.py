@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, Engine
+from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_calibration
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -26,28 +26,65 @@ def read(budget: int | None, seed: int = 3, lookahead: int = 16):
     return engine, stream, ids
 
 
+def lane_by_lane(engine, stream, drafted):
+    """Each lane's tokens read alone, teacher-forced, over the stream's cache (then forgotten): the logits after
+    each, in the continuation's step-major order."""
+    rows = torch.empty_like(drafted.logits)
+    with torch.inference_mode():
+        for lane in range(drafted.lanes):
+            ids = drafted.tokens[lane :: drafted.lanes]
+            rows[lane :: drafted.lanes], _ = engine.forward(stream, ids, logits_rows=len(ids))
+            engine.forget_drafts(stream, len(ids))
+    return rows
+
+
 def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypatch):
-    """Recomputed by hand: the sampled continuation's logits over everything read (the read's one eviction is its
-    last) and over the chosen cache; the estimate is their mean KL times the calibration, the sampled tokens are
-    forgotten, and the same seed gives the same."""
+    """Recomputed by hand: every lane of the sampled continuation read on its own, over everything read (the read's
+    one eviction is its last) and over the chosen cache, gives the logits the lanes side by side gave; the estimate
+    is their mean KL times the calibration, the sampled tokens are forgotten, and the same seed gives the same."""
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
         self, stream, drafted))
     engine, stream, ids = read(40)
-    assert stream.tokens == ids and stream.drift["drafts"] == DRIFT_DRAFTS  # whatever the lookahead
-    drafts, before = seen[0].tokens, seen[0].logits
+    drafted = seen[0]
+    assert stream.tokens == ids and stream.next_rope == len(ids)  # every sampled token forgotten
+    assert drafted.lanes == DRIFT_LANES > 1
+    assert stream.drift["drafts"] == len(drafted.tokens) == DRIFT_LANES * DRIFT_DRAFTS // 2  # a short read: half
+    assert len({tuple(drafted.tokens[lane :: drafted.lanes]) for lane in range(drafted.lanes)}) == drafted.lanes
     full_engine, full, _ = read(None)  # nothing evicted
-    with torch.inference_mode():
-        expected_before, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
-        after, _ = engine.forward(stream, drafts, logits_rows=len(drafts))
-    torch.testing.assert_close(before, expected_before, rtol=1e-4, atol=1e-4)
-    p, q = before.double().log_softmax(-1), after.double().log_softmax(-1)
+    torch.testing.assert_close(drafted.logits, lane_by_lane(full_engine, full, drafted), rtol=1e-4, atol=1e-4)
+    after = lane_by_lane(engine, stream, drafted)
+    p, q = drafted.logits.double().log_softmax(-1), after.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert abs(stream.drift["sampled_kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
-    assert stream.drift["kl"] == DRIFT_CALIBRATION * stream.drift["sampled_kl"]
+    calibration = drift_calibration(DRIFT_CALIBRATION, len(ids))  # a 120-token read: the shortest point's
+    assert stream.drift["calibration"] == calibration == DRIFT_CALIBRATION[0][1]
+    assert stream.drift["kl"] == calibration * stream.drift["sampled_kl"]
+    lanes = kl.view(-1, drafted.lanes).mean(dim=0)  # the interval is over the lanes' means
+    assert stream.drift["ci95"] == pytest.approx(calibration * 1.96 * float(lanes.std()) / DRIFT_LANES ** 0.5,
+                                                 rel=1e-4)
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
     assert read(40)[1].drift == stream.drift
+
+
+def test_the_calibration_follows_the_read_length_between_its_measured_points():
+    """Interpolated in log(length) between the measured points, the nearest beyond them."""
+    points = ((512, 0.5), (2048, 0.9))
+    assert drift_calibration(points, 100) == 0.5 and drift_calibration(points, 512) == 0.5
+    assert drift_calibration(points, 1024) == pytest.approx(0.7)  # halfway in log(length)
+    assert drift_calibration(points, 2048) == pytest.approx(0.9) and drift_calibration(points, 10**6) == 0.9
+
+
+def test_a_read_long_enough_samples_every_lane_in_full(monkeypatch):
+    """Where the read is at least DRIFT_CHEAP times the lanes' tokens, each lane samples DRIFT_DRAFTS tokens; a
+    shorter read half as many (here the threshold is moved instead of reading 2,048 tokens)."""
+    from klevict_cli import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "DRIFT_CHEAP", 120 / (DRIFT_LANES * DRIFT_DRAFTS))  # exactly this read
+    assert read(40)[1].drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS
+    monkeypatch.setattr(engine_module, "DRIFT_CHEAP", 121 / (DRIFT_LANES * DRIFT_DRAFTS))  # one token more
+    assert read(40)[1].drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS // 2
 
 
 def test_after_several_evictions_the_drift_is_measured_against_the_whole_read(monkeypatch):
@@ -68,10 +105,7 @@ def test_after_several_evictions_the_drift_is_measured_against_the_whole_read(mo
     full_engine = Engine(model, adapter_for(model), KL(), budget=None, chunk_size=32)
     full = full_engine.new_stream()
     full_engine.feed(full, ids)
-    drafts = seen[0].tokens
-    with torch.inference_mode():
-        expected, _ = full_engine.forward(full, drafts, logits_rows=len(drafts))
-    torch.testing.assert_close(seen[0].logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seen[0].logits, lane_by_lane(full_engine, full, seen[0]), rtol=1e-4, atol=1e-4)
     assert seen[0].evicted_before
 
 
@@ -125,7 +159,8 @@ def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
             engine.feed(stream, ids)
             kept[measure] = [layer.positions[layer.valid].tolist() for layer in stream.cache.layers]
             if measure:
-                assert stream.drift["drafts"] == DRIFT_DRAFTS and stream.drift["kl"] > 0 and stream.tokens == ids
+                assert stream.drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS // 2 and stream.drift["kl"] > 0
+                assert stream.tokens == ids
             else:
                 assert stream.drift is None
         assert kept[True] == kept[False]

@@ -158,6 +158,31 @@ def test_full_budget_chunked_prefill_equals_one_forward(family, chunk_size):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+def test_lanes_side_by_side_equal_each_lane_read_alone(family):
+    """Independent continuations in one forward (attention.Lanes, how a cache's drift is sampled): every lane's
+    logits equal those of its tokens read alone after the document, and nothing of them stays."""
+    from klevict_cli.attention import Lanes
+
+    _, model, adapter = family
+    torch.manual_seed(3)
+    document = torch.randint(0, VOCAB, (40,)).tolist()
+    lanes, steps = 3, 4
+    tokens = torch.randint(0, VOCAB, (lanes * steps,)).tolist()  # step-major: lane = index % lanes
+    engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=16)
+    stream = engine.new_stream()
+    engine.feed(stream, document)
+    with torch.inference_mode():
+        side_by_side, _ = engine.forward(stream, tokens, logits_rows=len(tokens),
+                                         lanes=Lanes(len(document), len(document), lanes))
+        engine.forget_drafts(stream, len(tokens))
+        for lane in range(lanes):
+            alone, _ = engine.forward(stream, tokens[lane::lanes], logits_rows=steps)
+            engine.forget_drafts(stream, steps)
+            assert (side_by_side[lane::lanes] - alone).abs().max().item() <= 1e-4
+    assert stream.tokens == document and stream.next_rope == len(document)
+    assert all(layer.capacity == len(document) for layer in stream.cache.layers if layer.window is None)
+
+
 @pytest.mark.parametrize("method", ["kl", "snapkv"])
 def test_eviction_equals_masking_the_evicted_entries(family, method):
     _, model, adapter = family

@@ -1,0 +1,104 @@
+"""How many lanes, and how many tokens each, should a cache's drift be measured on? (docs/research-log.md, "the drift
+in lanes, again")
+
+    # a bench run that also writes every drift measurement's per-token KL (steps x lanes) next to its results
+    python examples/drift_lanes.py record OUT -- ../shared/data/moby-dick.txt --methods kl,kl-reconstruct \
+        --budgets 50%,20%,10%,5%,32,64 --windows 2 --context 512 --seed 0 --estimate
+    # then: what fewer lanes or fewer tokens per lane would have estimated, against the KL the bench measured
+    python examples/drift_lanes.py compare OUT1 OUT2 ...
+
+`record OUT` writes OUT.json (the bench's results) and OUT.tokens.jsonl. The first k steps of a recorded run are
+exactly what a run of k steps samples (the lanes are sampled step by step from one generator); fewer lanes are
+read off the recorded ones, each group of lanes a separate estimator, and the table averages their statistics.
+Each variant is calibrated at its own median ratio, so the table compares ranking and spread, not calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from drift_check import spearman  # noqa: E402
+
+# variant: (groups of recorded lanes, each one estimator; steps per lane)
+VARIANTS = {"1x16": ([[0], [1], [2], [3]], 16), "1x32": ([[0], [1], [2], [3]], 32), "2x16": ([[0, 1], [2, 3]], 16),
+            "2x32": ([[0, 1], [2, 3]], 32), "4x8": ([[0, 1, 2, 3]], 8), "4x16": ([[0, 1, 2, 3]], 16),
+            "4x32": ([[0, 1, 2, 3]], 32)}
+
+
+def record(out: str, bench_args: list[str]) -> None:
+    from klevict_cli import engine
+    from klevict_cli.cli import app
+
+    Path(f"{out}.tokens.jsonl").unlink(missing_ok=True)
+    token_kl, measure = engine.token_kl, engine.Engine.measure_drift
+    last = {}
+
+    def recorded_kl(reference, logits):
+        last["kl"] = token_kl(reference, logits)
+        return last["kl"]
+
+    def measured(self, stream, drafted):
+        drift = measure(self, stream, drafted)
+        with open(f"{out}.tokens.jsonl", "a") as f:
+            f.write(json.dumps({"kl": drift["kl"], "sampled_kl": drift["sampled_kl"], "lanes": drafted.lanes,
+                                "per_token": last["kl"].tolist()}) + "\n")
+        return drift
+
+    engine.token_kl, engine.Engine.measure_drift = recorded_kl, measured
+    sys.argv = ["klevict", "bench", *bench_args, "--out", f"{out}.json"]
+    app()
+
+
+def pairs(out: str) -> list[tuple[float, list[list[float]]]]:
+    """(measured KL, per-token KL as steps x lanes) per window and budget of a recorded run."""
+    result = json.loads(Path(f"{out}.json").read_text())
+    dumps = [json.loads(line) for line in Path(f"{out}.tokens.jsonl").read_text().splitlines()]
+    found = []
+    for rows in result["fidelity"]["results"].values():
+        for row in rows.values():
+            window = row["per_window"]
+            for estimate, measured in zip(window.get("estimated_kl", []), window["kl"]):
+                if estimate is None or measured <= 0:
+                    continue
+                # the estimate as recorded (runs before the calibration by length: 0.5 times the sampled KL)
+                dump = next(d for d in dumps if abs(d.get("kl", 0.5 * d["sampled_kl"]) - estimate) <= 1e-9 * estimate)
+                lanes = dump["lanes"]
+                tokens = dump["per_token"]
+                found.append((measured, [tokens[s : s + lanes] for s in range(0, len(tokens), lanes)]))
+    return found
+
+
+def describe(found: list[tuple[float, float]]) -> tuple[float, float, float, float, float]:
+    """Spearman, the calibration that centres the ratios, their 10-90 % once calibrated, the share within 1.5x."""
+    ratios = sorted(e / m for e, m in found)
+    calibration = 1 / statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=10, method="inclusive")
+    within = sum(1 / 1.5 <= r * calibration <= 1.5 for r in ratios) / len(ratios)
+    return (spearman([e for e, _ in found], [m for _, m in found]), calibration, q[0] * calibration,
+            q[-1] * calibration, within)
+
+
+def compare(outs: list[str]) -> None:
+    found = [p for out in outs for p in pairs(out)]
+    print(f"{len(found)} window x budget pairs\n")
+    print("| lanes x tokens | Spearman | calibration | 10-90 % calibrated | within 1.5x |\n|---|---|---|---|---|")
+    for name, (groups, steps) in VARIANTS.items():
+        if any(len(grid) < steps for _, grid in found):  # not recorded this long (a short read samples 16 per lane)
+            continue
+        stats = [describe([(statistics.fmean(grid[s][lane] for s in range(steps) for lane in group), measured)
+                           for measured, grid in found]) for group in groups]
+        mean = [statistics.fmean(s[i] for s in stats) for i in range(5)]
+        print(f"| {name} | {mean[0]:.3f} | {mean[1]:.3f} | {mean[2]:.2f}–{mean[3]:.2f} | {100 * mean[4]:.0f} % |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "record":
+        record(sys.argv[2], [a for a in sys.argv[3:] if a != "--"])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "compare":
+        compare(sys.argv[2:])
+    else:
+        sys.exit(__doc__)
