@@ -132,6 +132,10 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head); between them interpolated in log(length), beyond
 # them the nearest (docs/method.md, "Estimated drift"); every model reads with these.
 DRIFT_CALIBRATION = ((512, 0.52), (1024, 0.81), (4096, 0.87))
+DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
+# The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
+# a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
+EVICTED_BYTES = 1 << 30
 
 
 def drift_calibration(points: tuple[tuple[int, float], ...], tokens: int) -> float:
@@ -143,10 +147,6 @@ def drift_calibration(points: tuple[tuple[int, float], ...], tokens: int) -> flo
         if tokens <= n1:
             return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
     return points[-1][1]
-DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
-# The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
-# a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
-EVICTED_BYTES = 1 << 30
 
 
 @dataclass(eq=False)
