@@ -87,10 +87,12 @@ class ForwardContext:
     positions: torch.Tensor | None = None
     lanes: Lanes | None = None  # the forward's tokens continue independent lanes (true positions in `positions`)
 
-    def allowed(self, layer, query_positions: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-        """`attention_mask` of the forward's last len(`query_positions`) tokens as the forward attends: the visible
-        entries, causal by rotary position (and window), and within each token's lane if there are lanes."""
-        allowed = attention_mask(layer, query_positions, self.visible(layer), columns)
+    def allowed(self, layer, query_positions: torch.Tensor, visible: torch.Tensor,
+                columns: torch.Tensor | None = None) -> torch.Tensor:
+        """`attention_mask` of the forward's last len(`query_positions`) tokens as the forward attends: the `visible`
+        entries (`visible(layer)`), causal by rotary position (and window), and within each token's lane if there
+        are lanes."""
+        allowed = attention_mask(layer, query_positions, visible, columns)
         if self.lanes is not None:
             entries = layer.positions if columns is None else layer.positions.gather(1, columns)
             entry_lane = self.lanes.lane(entries)[:, None, :]
@@ -226,7 +228,7 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
     groups = query.shape[1] // key.shape[1]
     # One mask row per cached head. MLA caches a single "head" (the latent) and hands over keys and values already
     # expanded per query head: groups == 1 and that one mask broadcasts over every head.
-    lse = None
+    lse = allowed = None
     visible = ctx.visible(layer)
     if _can_split(layer, query, value) and ctx.lanes is None:
         k, v, past_visible = key, value, visible[:, : key.shape[2] - query.shape[2]]
@@ -236,22 +238,24 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out, lse = _attend_past_then_chunk(query, k, v, past_visible, groups, scaling)
     else:
-        out = _attend_grouped(query, key, value, ctx.allowed(layer, ctx.query_positions), scaling)
+        allowed = ctx.allowed(layer, ctx.query_positions, visible)
+        out = _attend_grouped(query, key, value, allowed, scaling)
     if ctx.captured is not None:
         ctx.captured[layer_idx] = out
     if ctx.observer is not None:
-        if lse is None:
-            lse = _log_sum_exp(query, key, ctx.allowed(layer, ctx.query_positions), scaling)
+        if lse is None:  # attended with one mask: the same one
+            lse = _log_sum_exp(query, key, allowed, scaling)
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling, lse[0])
     if ctx.probe_rows:
-        ctx.probes[layer_idx] = _probe(ctx, layer, query, key, out, lse, scaling)
+        ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerProbe:
-    """The probe rows' statistics: their attention over the cache entries they see (ForwardContext.allowed, as the
-    forward attended; or over `ctx.probe_entries` only), queries and head outputs. Where the attention kernel gave
-    each row's log-sum-exp, the weights are exp(logit - lse), normalised as the forward normalised them.
+def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:
+    """The probe rows' statistics: their attention over the `visible` cache entries they may see
+    (ForwardContext.allowed, as the forward attended; or over `ctx.probe_entries` only), queries and head outputs.
+    Where the attention kernel gave each row's log-sum-exp, the weights are exp(logit - lse), normalised as the
+    forward normalised them.
 
     Built in place on one (H_kv, groups, W, C) tensor — a KV group's query heads as rows of its KV head, scaled
     before the product, masked by broadcasting — because on a CPU the cost of this step is the passes over that
@@ -266,7 +270,7 @@ def _probe(ctx: ForwardContext, layer, query, key, out, lse, scaling) -> LayerPr
         keys = keys.gather(1, columns[..., None].expand(-1, -1, keys.shape[-1]))
     rows_of_group = (q.float() * scaling).reshape(h_kv, groups * w, q.shape[-1])
     logits = torch.matmul(rows_of_group, keys.transpose(1, 2)).view(h_kv, groups, w, -1)
-    allowed = ctx.allowed(layer, ctx.query_positions[-w:], columns)  # (H_kv, W, n)
+    allowed = ctx.allowed(layer, ctx.query_positions[-w:], visible, columns)  # (H_kv, W, n)
     if columns is not None:
         allowed &= present[:, None, :]
     logits.masked_fill_(~allowed[:, None], float("-inf"))
