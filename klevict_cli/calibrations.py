@@ -11,7 +11,9 @@ the weights' fingerprint; other models calibrate on each document.
 A file may also carry the model's `copy_share` (kl's share of the budget for the read's own estimate of what a
 re-reading needs), where it was measured to differ from the default: the estimate's worth belongs to the model too
 (docs/method.md, "the copy share is the model's"); and its `relied_on`, where the model's re-reading relies on so
-much of a document that its scores stop telling which entries it needs more (`KL.relied_on`).
+much of a document that its scores stop telling which entries it needs more (`KL.relied_on`). And its
+`drift_calibration` (as engine.DRIFT_CALIBRATION: measured over sampled KL by read length), where the model's own
+samples stand in for the text that follows differently from the default model's.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ from pathlib import Path
 FOLDER = Path(__file__).parent / "model_calibrations"
 
 
-def shipped(weights_sha256: str) -> dict[str, str] | None:
-    """The per-model policy state (in `KL.state()`'s form) measured for these exact weights, or None."""
+def shipped_file(weights_sha256: str) -> dict | None:
+    """The calibration file measured for these exact weights, or None."""
     for path in sorted(FOLDER.glob("*.json")):
         data = json.loads(path.read_text())
         if data["weights_sha256"] == weights_sha256:
-            return state_of(data)
+            return data
     return None
+
+
+def drift_points(data: dict | None) -> tuple[tuple[int, float], ...] | None:
+    """A calibration file's drift calibration — (read length, measured / sampled KL) points, as
+    `engine.DRIFT_CALIBRATION` — where the model has its own; None for the engine's."""
+    if data is None or "drift_calibration" not in data:
+        return None
+    return tuple((int(n), float(c)) for n, c in data["drift_calibration"])
 
 
 def state_of(data: dict) -> dict[str, str]:

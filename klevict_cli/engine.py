@@ -130,7 +130,8 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # sampled KL times a calibration that depends on the read's length: at each of these read lengths (tokens), the
 # median of measured / sampled KL on the seed-0 tuning windows of the default model (both texts, kl and
 # kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head); between them interpolated in log(length), beyond
-# them the nearest (docs/method.md, "Estimated drift"); every model reads with these.
+# them the nearest (docs/method.md, "Estimated drift"); every model reads with these unless klevict ships its own
+# (calibrations.drift_points).
 DRIFT_CALIBRATION = ((512, 0.52), (1024, 0.81), (4096, 0.87))
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
@@ -184,6 +185,7 @@ class Engine:
         max_kl: float | None = None,
         storage: dict[str, int | None] | None = None,
         evicted_bytes: int = EVICTED_BYTES,
+        drift_points: tuple[tuple[int, float], ...] | None = None,
     ):
         self.model = model
         self.adapter = adapter
@@ -215,6 +217,7 @@ class Engine:
         self.chooses_storage = len(self.storage) > 1 and policy.evicts
         measure_drift = measure_drift or max_kl is not None or self.chooses_storage
         self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
+        self.drift_points = drift_points or DRIFT_CALIBRATION  # the model's own, where it has one (calibrations.py)
         self.evicted_bytes = evicted_bytes  # the most of what it evicts a read sets aside to measure its drift
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
@@ -586,7 +589,7 @@ class Engine:
         per_lane = kl.view(-1, drafted.lanes).mean(dim=0)
         spread = float(per_lane.std()) if per_lane.numel() > 1 else 0.0
         sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(per_lane.numel())
-        calibration = drift_calibration(DRIFT_CALIBRATION, stream.next_position)
+        calibration = drift_calibration(self.drift_points, stream.next_position)
         return {"kl": calibration * sampled, "ci95": calibration * ci95, "drafts": kl.numel(),
                 "sampled_kl": sampled, "calibration": calibration,
                 "covers": "read" if drafted.whole else "last eviction"}

@@ -108,7 +108,9 @@ class Session:
     def __init__(self, lm: LoadedModel, shipped_calibration: bool = True):
         self.lm = lm
         # policies start from the state measured once for this model, where klevict ships one (calibrations.py)
-        self.model_state = calibrations.shipped(lm.weights_sha256) if shipped_calibration else None
+        shipped = calibrations.shipped_file(lm.weights_sha256) if shipped_calibration else None
+        self.model_state = None if shipped is None else calibrations.state_of(shipped)
+        self.drift_points = calibrations.drift_points(shipped)  # None: the engine's (measured with the default model)
         self.adapter: ModelAdapter = adapter_for(lm.model)
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
@@ -131,7 +133,7 @@ class Session:
             head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
-            measure_drift=settings.measure_drift, max_kl=settings.max_kl,
+            measure_drift=settings.measure_drift, max_kl=settings.max_kl, drift_points=self.drift_points,
             storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
         )
         if settings.max_memory is not None and engine.budget is not None:  # what is evicted is set aside within it

@@ -76,6 +76,27 @@ def test_the_calibration_follows_the_read_length_between_its_measured_points():
     assert drift_calibration(points, 2048) == pytest.approx(0.9) and drift_calibration(points, 10**6) == 0.9
 
 
+def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch):
+    """A model's shipped drift calibration (calibrations.drift_points) replaces the engine's: the same read, the same
+    sampled KL, times the model's own point; a model without one reads with DRIFT_CALIBRATION."""
+    from klevict_cli import calibrations
+    from klevict_cli.options import Budget
+    from klevict_cli.session import ReadSettings
+    from tests.conftest import tiny_session
+
+    assert calibrations.drift_points({"drift_calibration": [[512, 0.8], [1024, 2]]}) == ((512, 0.8), (1024, 2.0))
+    assert calibrations.drift_points({"ratios": {}}) is None and calibrations.drift_points(None) is None
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    settings = ReadSettings(budget=Budget(tokens=30), measure_drift=True, chunk_size=64)
+    drifts = []
+    for shipped in (None, {"weights_sha256": "w", "drift_calibration": [[100, 3.0]]}):
+        monkeypatch.setattr(calibrations, "shipped_file", lambda sha, shipped=shipped: shipped)
+        drifts.append(tiny_session().read_tokens(ids, settings, reserve=16).stream.drift)
+    assert drifts[0]["calibration"] == DRIFT_CALIBRATION[0][1]  # a read shorter than the first point
+    assert drifts[1]["calibration"] == 3.0 and drifts[1]["sampled_kl"] == drifts[0]["sampled_kl"]
+    assert drifts[1]["kl"] == pytest.approx(3.0 * drifts[1]["sampled_kl"])
+
+
 def test_a_read_long_enough_samples_every_lane_in_full(monkeypatch):
     """Where the read is at least DRIFT_CHEAP times the lanes' tokens, each lane samples DRIFT_DRAFTS tokens; a
     shorter read half as many (here the threshold is moved instead of reading 2,048 tokens)."""

@@ -439,7 +439,7 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
         ratios = data.get("ratios", {"0": [1.0]})
         layers, heads = len(ratios), len(ratios["0"])
         assert sorted(map(int, ratios)) == list(range(layers))
-        state = calibrations.shipped(data["weights_sha256"])
+        state = calibrations.state_of(calibrations.shipped_file(data["weights_sha256"]))
         policy = KL()
         policy.adopt(state, [heads] * layers)
         if "ratios" in data:
@@ -448,7 +448,9 @@ def test_the_shipped_calibrations_fit_their_models_and_are_found_by_their_weight
             assert policy.adopted is None
         assert policy.copy_share == data.get("copy_share", KL().copy_share)
         assert policy.relied_on == data.get("relied_on", KL().relied_on)
-    assert calibrations.shipped("0" * 64) is None
+        points = calibrations.drift_points(data)  # the model's own drift calibration, where it has one
+        assert points is None or (points == tuple(sorted(points)) and all(n > 0 and c > 0 for n, c in points))
+    assert calibrations.shipped_file("0" * 64) is None
 
 
 def test_a_model_that_ships_its_own_relied_on_chooses_its_question_share_with_it():
