@@ -4,6 +4,7 @@ in lanes, again")
     # a bench run that also writes every drift measurement's per-token KL (steps x lanes) next to its results
     python examples/drift_lanes.py record OUT -- ../shared/data/moby-dick.txt --methods kl,kl-reconstruct \
         --budgets 50%,20%,10%,5%,32,64 --windows 2 --context 512 --seed 0 --estimate
+    # (record OUT --lanes 8 -- ...: eight lanes, each sampled DRIFT_DRAFTS tokens whatever the read's length)
     # then: what fewer lanes or fewer tokens per lane would have estimated, against the KL the bench measured
     python examples/drift_lanes.py compare OUT1 OUT2 ...
 
@@ -23,15 +24,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from drift_check import spearman  # noqa: E402
 
-# variant: (groups of recorded lanes, each one estimator; steps per lane)
+# variant: (groups of recorded lanes, each one estimator; steps per lane); a variant is read where every recorded
+# measurement has its lanes and steps (8-lane variants from `record --lanes 8` runs)
+FOUR, EIGHT = [0, 1, 2, 3], list(range(8))
 VARIANTS = {"1x16": ([[0], [1], [2], [3]], 16), "1x32": ([[0], [1], [2], [3]], 32), "2x16": ([[0, 1], [2, 3]], 16),
-            "2x32": ([[0, 1], [2, 3]], 32), "4x8": ([[0, 1, 2, 3]], 8), "4x16": ([[0, 1, 2, 3]], 16),
-            "4x32": ([[0, 1, 2, 3]], 32)}
+            "2x32": ([[0, 1], [2, 3]], 32), "4x8": ([FOUR], 8), "4x16": ([FOUR], 16), "4x32": ([FOUR], 32),
+            "8x4": ([EIGHT], 4), "8x8": ([EIGHT], 8), "8x16": ([EIGHT], 16)}
 
 
-def record(out: str, bench_args: list[str]) -> None:
+def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
     from klevict_cli import engine
     from klevict_cli.cli import app
+
+    if lanes is not None:  # that many lanes, each sampled in full (DRIFT_DRAFTS steps) whatever the read's length
+        engine.DRIFT_LANES, engine.DRIFT_CHEAP = lanes, 0
 
     Path(f"{out}.tokens.jsonl").unlink(missing_ok=True)
     token_kl, measure = engine.token_kl, engine.Engine.measure_drift
@@ -87,7 +93,8 @@ def compare(outs: list[str]) -> None:
     print(f"{len(found)} window x budget pairs\n")
     print("| lanes x tokens | Spearman | calibration | 10-90 % calibrated | within 1.5x |\n|---|---|---|---|---|")
     for name, (groups, steps) in VARIANTS.items():
-        if any(len(grid) < steps for _, grid in found):  # not recorded this long (a short read samples 16 per lane)
+        lanes = max(max(group) for group in groups) + 1
+        if any(len(grid) < steps or len(grid[0]) < lanes for _, grid in found):  # not recorded this long or wide
             continue
         stats = [describe([(statistics.fmean(grid[s][lane] for s in range(steps) for lane in group), measured)
                            for measured, grid in found]) for group in groups]
@@ -97,7 +104,8 @@ def compare(outs: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "record":
-        record(sys.argv[2], [a for a in sys.argv[3:] if a != "--"])
+        wide = sys.argv[3:5] if sys.argv[3:4] == ["--lanes"] else []
+        record(sys.argv[2], [a for a in sys.argv[3 + len(wide):] if a != "--"], int(wide[1]) if wide else None)
     elif len(sys.argv) >= 3 and sys.argv[1] == "compare":
         compare(sys.argv[2:])
     else:
