@@ -27,37 +27,16 @@ import math
 import statistics
 from pathlib import Path
 
-import torch
-
-from klevict_cli.bench import continuation_logits, fidelity_windows
-from klevict_cli.documents import load_document
-from klevict_cli.models import load_model
-from klevict_cli.options import Budget
-from klevict_cli.prompts import encode_text
-from klevict_cli.session import ReadSettings, Session
-from klevict_kernels.kl import token_kl
+from held_out_reads import add_arguments, reads, session_for, windows
 
 
 def record(args) -> list[dict]:
-    session = Session(load_model(args.model, "cpu", "float32"))
+    session = session_for(args)
     rows = []
-    for text in args.texts:
-        ids = encode_text(session.lm.tokenizer, load_document(str(text)).text)  # as the bench reads it
-        for offset, window, follow in fidelity_windows(session, ids, args.context, args.continuation, args.windows,
-                                                       args.seed):
-            full = session.read_tokens(window, ReadSettings(budget=None, method="none"), reserve=len(follow))
-            reference = continuation_logits(full.engine, full.stream.clone(), full.logits, follow)
-            for method, budget in ((m, b) for m in args.methods.split(",") for b in args.budgets.split(",")):
-                settings = ReadSettings(budget=Budget(fraction=float(budget.rstrip("%")) / 100), method="kl",
-                                        reconstruct=method == "kl-reconstruct", measure_drift=True, seed=args.seed)
-                read = session.read_tokens(window, settings, reserve=len(follow))
-                logits = continuation_logits(read.engine, read.stream.clone(), read.logits, follow)
-                per_token = token_kl(reference, logits).tolist()
-                rows.append({"text": text.name, "context": args.context, "model": args.model or "smollm2",
-                             "method": method, "offset": offset, "budget": budget,
-                             "measured": statistics.fmean(per_token), "estimated": read.stream.drift["kl"],
-                             "per_token": per_token})
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_token"}), flush=True)
+    for window in windows(session, args):
+        for read in reads(session, window, args):
+            rows.append({**read.row(args, window), "per_token": read.per_token.tolist()})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_token"}), flush=True)
     return rows
 
 
@@ -91,15 +70,7 @@ def report(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("texts", nargs="*", type=Path)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--continuation", type=int, default=256)
-    parser.add_argument("--budgets", default="50%,20%,10%,5%")
-    parser.add_argument("--methods", default="kl", help="kl and/or kl-reconstruct")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path)
+    add_arguments(parser, budgets="50%,20%,10%,5%", seed=1)
     parser.add_argument("--report", nargs="+", type=Path, help="recorded files to report on instead")
     args = parser.parse_args()
     if args.report:
