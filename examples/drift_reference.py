@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from klevict_kernels.kl import token_kl
-from klevict_cli.attention import ATTENTION_NAME
+from klevict_cli.attention import ATTENTION_NAME, Lanes
 from klevict_cli.bench import continuation_logits, fidelity_windows, parse_budgets
 from klevict_cli.documents import load_document
 from klevict_cli.engine import Engine
@@ -30,6 +30,14 @@ from klevict_cli.session import ReadSettings, Session
 
 def mean_kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float(token_kl(p, q).mean())
+
+
+def lanes_logits(read, sample) -> torch.Tensor:
+    """The sampled lanes read side by side over a copy of `read`'s cache, as the estimate reads them."""
+    stream = read.stream.clone()
+    lanes = Lanes(stream.next_position, stream.next_rope, sample.lanes)
+    logits, _ = read.engine.forward(stream, sample.tokens, logits_rows=len(sample.tokens), probing=True, lanes=lanes)
+    return logits
 
 
 def main() -> None:
@@ -61,8 +69,7 @@ def main() -> None:
         got = session.read_tokens(window, settings, reserve=room)
         sample = drafted[-1]
         real = continuation_logits(got.engine, got.stream.clone(), got.logits, cont)
-        after, _ = got.engine.forward(got.stream.clone(), sample.tokens, logits_rows=len(sample.tokens))
-        true, _ = full.engine.forward(full.stream.clone(), sample.tokens, logits_rows=len(sample.tokens))
+        after, true = (lanes_logits(read, sample) for read in (got, full))
         print(f"{str(budget):>6}: sampled tokens — whole read vs compressed {mean_kl(sample.logits, after):.4f}, "
               f"full vs compressed {mean_kl(true, after):.4f}, full vs whole read {mean_kl(true, sample.logits):.4f}"
               f" | estimate {got.stream.drift['kl']:.4f} ({got.stream.drift['covers']}), real next page "

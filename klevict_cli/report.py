@@ -114,7 +114,7 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
                                    f"of the chat frame, then the document's) kept by some head, in {info['spans']} "
-                                   "spans")
+                                   f"span{'' if info['spans'] == 1 else 's'}")
     console.print(table)
     layers = Table(title="kept entries per layer (per KV head)")
     layers.add_column("layer", justify="right")
