@@ -1,10 +1,14 @@
-"""How well each cache's estimated drift (its last eviction measured on drafts, `Engine.measure_drift`) predicts the
-KL the bench measured on the text that really follows, per window and budget.
+"""How well each cache's estimated drift (`Engine.measure_drift`) predicts the KL the bench measured on the text
+that really follows, per window and budget; and, for results with `--max-kl` tolerances, how close the measured KL
+came to the tolerance asked for.
 
     python benchmarks/drift_check.py benchmarks/results/drift/*.json
+    python benchmarks/drift_check.py benchmarks/results/drift/maxkl-*.json --plot docs/img/max-kl.png
 
 Prints, per result file and method, the pairs' Spearman correlation, the median and spread of estimated / measured,
-and the share of pairs within a factor 1.5; then the same over every pair of every file.
+and the share of pairs within a factor 1.5; then the same over every pair of every file. Then, per file and
+tolerance, the kept share and measured / asked over the windows, and the share within 1.5× (pooled at the end).
+`--plot` draws measured against asked for every file with tolerances (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -12,7 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from klevict_cli.results import tolerances  # noqa: E402
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -51,6 +60,7 @@ def describe(label: str, found: list[tuple[float, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--plot", type=Path, help="draw measured against asked for the results with tolerances")
     args = parser.parse_args()
     print("| result · method | pairs | Spearman | median est./measured | 10–90 % | within 1.5× |\n|---|---|---|---|---|---|")
     everything: dict[str, list] = {}
@@ -65,6 +75,53 @@ def main() -> None:
     for method, found in everything.items():
         print(describe(f"all · {method}", found))
     print(describe("all", [p for found in everything.values() for p in found]))
+    asked = {name(path, result): result for path, result in loaded(args.results).items() if tolerances(result)}
+    if asked:
+        print(tolerance_table(asked))
+    if args.plot and asked:
+        from klevict_cli.plots import figure_bytes, tolerance_figure
+
+        args.plot.write_bytes(figure_bytes(tolerance_figure(asked), args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def loaded(paths: list[Path]) -> dict[Path, dict]:
+    return {path: json.loads(path.read_text()) for path in paths}
+
+
+def name(path: Path, result: dict) -> str:
+    settings = result["settings"]
+    return f"{settings['model']} {settings['context']} {Path(settings['document']['name']).stem}"
+
+
+def tolerance_table(asked: dict[str, dict]) -> str:
+    """Per result and tolerance: kept share, measured / asked (median, range) and windows within 1.5× of it."""
+    lines = ["", "| result · tolerance | windows | kept | measured / asked: median | range | within 1.5× |",
+             "|---|---|---|---|---|---|"]
+    pooled: dict[float, list[float]] = {}
+    for label, result in asked.items():
+        for rows in result["fidelity"]["results"].values():
+            for column, tolerance in tolerances(result).items():
+                window = rows[column]["per_window"]
+                ratios = sorted(kl / tolerance for kl in window["kl"])
+                pooled.setdefault(tolerance, []).extend(ratios)
+                kept = window["cache_fraction"]
+                lines.append(f"| {label} · {tolerance:g} | {len(ratios)} | {100 * min(kept):.0f}–{100 * max(kept):.0f} % "
+                             f"| {statistics.median(ratios):.2f} | {ratios[0]:.2f}–{ratios[-1]:.2f} | "
+                             f"{within(ratios)} |")
+    for tolerance, ratios in sorted(pooled.items()):
+        ratios.sort()
+        lines.append(f"| all · {tolerance:g} | {len(ratios)} | | {statistics.median(ratios):.2f} | "
+                     f"{ratios[0]:.2f}–{ratios[-1]:.2f} | {within(ratios)} |")
+    every = sorted(r for ratios in pooled.values() for r in ratios)
+    lines.append(f"| all | {len(every)} | | {statistics.median(every):.2f} | {every[0]:.2f}–{every[-1]:.2f} | "
+                 f"{within(every)} |")
+    return "\n".join(lines)
+
+
+def within(ratios: list[float]) -> str:
+    inside = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
+    return f"{inside} of {len(ratios)} ({100 * inside / len(ratios):.0f} %)"
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
-from klevict_cli.results import summary
+from klevict_cli.results import TOLERANCE_PREFIX, summary
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -272,7 +272,7 @@ def byte_label(limit: str) -> str:
 
 
 def tolerance_label(max_kl: float) -> str:
-    return f"max-kl {max_kl:g}"
+    return f"{TOLERANCE_PREFIX}{max_kl:g}"
 
 
 def _reads(settings: BenchSettings, budgets: dict[str, int | None]):
@@ -638,7 +638,7 @@ def render(result: dict, console: Console) -> None:
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
                       f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
-        tolerances = [label for label in labels if label.startswith(tolerance_label(0).split()[0])]
+        tolerances = [label for label in labels if label.startswith(TOLERANCE_PREFIX)]
         if tolerances:
             _method_table(console, fid, tolerances, _tolerance_cell,
                           "--max-kl: cache kept · measured KL / tolerance, median over windows (range) · windows "
@@ -659,7 +659,7 @@ def render(result: dict, console: Console) -> None:
 
 
 def _tolerance_cell(row: dict, label: str) -> str:
-    tolerance = float(label.removeprefix("max-kl "))
+    tolerance = float(label.removeprefix(TOLERANCE_PREFIX))
     ratios = sorted(kl / tolerance for kl in row["per_window"]["kl"])
     within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
     return (f"{100 * row['cache_fraction']['mean']:.1f} % · {statistics.median(ratios):.2f}× "

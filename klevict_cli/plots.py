@@ -1,5 +1,5 @@
-"""Pictures of a `klevict bench` result: KL against budget per method with the 95 % intervals, cost against KL, and
-retrieval accuracy against budget. matplotlib is an optional extra (`pip install 'klevict[plot]'`); it is drawn
+"""Pictures of a `klevict bench` result: KL against budget per method with the 95 % intervals, cost against KL, the
+KL measured against the `--max-kl` tolerance asked for, and retrieval accuracy against budget. matplotlib is an optional extra (`pip install 'klevict[plot]'`); it is drawn
 with the Agg canvas directly, so no GUI backend or global pyplot state is involved.
 """
 
@@ -9,7 +9,7 @@ import io
 from pathlib import Path
 
 from klevict_cli.errors import UsageError
-from klevict_cli.results import SUBJECT, budgets
+from klevict_cli.results import SUBJECT, budgets, tolerances
 
 INSTALL = "pip install 'klevict[plot]'"
 FORMATS = (".png", ".svg", ".pdf")
@@ -27,7 +27,8 @@ def check_plot_target(path: Path) -> None:
 
 def panels(result: dict) -> list[str]:
     """What there is to draw in `result`, in order."""
-    return (["kl", "cost"] if "fidelity" in result else []) + [t for t in ("needle", "recall") if t in result]
+    fidelity = ["kl", "cost"] + (["tolerance"] if tolerances(result) else []) if "fidelity" in result else []
+    return fidelity + [t for t in ("needle", "recall") if t in result]
 
 
 def figure(result: dict):
@@ -48,7 +49,9 @@ def figure(result: dict):
             style = {"color": "black" if method == SUBJECT else colours[n], "marker": "o", "markersize": 3.5,
                      "linewidth": 2.4 if method == SUBJECT else 1.1, "label": method, "zorder": 3 if method == SUBJECT
                      else 2}
-            if kind in ("kl", "cost"):
+            if kind == "tolerance":
+                draw_tolerance_points(ax, result, method, style)
+            elif kind in ("kl", "cost"):
                 rows = [result["fidelity"]["results"][method][b] for b in labels]
                 kl = [r["kl"]["mean"] for r in rows]
                 if kind == "kl":
@@ -78,6 +81,9 @@ def describe_axes(ax, kind: str, result: dict) -> None:
     ax.grid(True, alpha=0.3)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
+    if kind == "tolerance":
+        describe_tolerance_axes(ax, list(tolerances(result).values()), f"{s['windows']} windows")
+        return
     if kind == "cost":
         ax.set_xlabel("KL(full ‖ compressed), nats/token")
         ax.set_ylabel("read time / full-cache read")
@@ -94,6 +100,58 @@ def describe_axes(ax, kind: str, result: dict) -> None:
         ax.set_ylim(-3, 103)
         ax.set_ylabel("exact-match accuracy, %")
         ax.set_title(f"{kind}: retrieval accuracy")
+
+
+def draw_tolerance_points(ax, result: dict, method: str, style: dict) -> None:
+    """One point per window and tolerance: the KL measured on the real continuation against the tolerance asked
+    for (spread a little along x so that windows at one tolerance do not hide each other)."""
+    rows = result["fidelity"]["results"][method]
+    asked = tolerances(result)
+    xs, ys = [], []
+    for label, tolerance in asked.items():
+        measured = rows[label]["per_window"]["kl"]
+        for n, kl in enumerate(measured):
+            xs.append(tolerance * 1.06 ** (n - (len(measured) - 1) / 2))
+            ys.append(kl)
+    ax.scatter(xs, ys, s=14, color=style["color"], label=style["label"], zorder=style["zorder"])
+
+
+def describe_tolerance_axes(ax, asked: list[float], what: str) -> None:
+    """The promise drawn under the points: measured = asked, and the band within 1.5× of it."""
+    lo, hi = min(asked) / 2, max(asked) * 2
+    line = [lo, hi]
+    ax.plot(line, line, color="black", linewidth=0.8, zorder=1)
+    ax.fill_between(line, [x / 1.5 for x in line], [x * 1.5 for x in line], color="0.85", zorder=0,
+                    label="within 1.5×")
+    ax.set_xlim(lo, hi)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(set(asked)), labels=[f"{t:g}" for t in sorted(set(asked))])
+    ax.set_xlabel("--max-kl asked, nats/token")
+    ax.set_ylabel("KL measured on the real continuation")
+    ax.set_title(f"measured against asked, {what}", fontsize="medium")
+
+
+def tolerance_figure(results: dict[str, dict]):
+    """Measured against asked for several `bench --max-kl` results at once (one colour per named result, each of
+    its methods' windows), on one panel: whether the promise holds across documents, lengths and models."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.4, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    colours = fig_colours(len(results))
+    asked, windows = [], 0
+    for n, (name, result) in enumerate(results.items()):
+        for method in result["fidelity"]["results"]:
+            draw_tolerance_points(ax, result, method, {"color": colours[n], "label": name, "zorder": 2})
+            windows += result["fidelity"]["windows_done"]
+        asked += tolerances(result).values()
+    ax.grid(True, alpha=0.3)
+    ax.set_xscale("log")
+    describe_tolerance_axes(ax, asked, f"{windows} windows")
+    ax.legend(fontsize="x-small", frameon=False, loc="upper left")
+    return fig
 
 
 def frontier_figure(result: dict):
@@ -130,7 +188,11 @@ def frontier_figure(result: dict):
 def plot_bytes(result: dict, path: Path, frontier: bool = False) -> bytes:
     """`result` drawn as the bytes of a file of `path`'s format (.png, .svg or .pdf); `frontier`: KL against
     bytes (`frontier_figure`)."""
+    return figure_bytes((frontier_figure if frontier else figure)(result), path)
+
+
+def figure_bytes(fig, path: Path) -> bytes:
+    """A matplotlib Figure as the bytes of a file of `path`'s format (.png, .svg or .pdf)."""
     buffer = io.BytesIO()
-    (frontier_figure if frontier else figure)(result).savefig(buffer, format=Path(path).suffix.lower().lstrip("."),
-                                                              dpi=110)
+    fig.savefig(buffer, format=Path(path).suffix.lower().lstrip("."), dpi=110)
     return buffer.getvalue()

@@ -64,6 +64,15 @@ def budgets(result: dict) -> list[str]:
     return [label for label, tokens in result["settings"]["budget_tokens"].items() if tokens is not None]
 
 
+def tolerances(result: dict) -> dict[str, float]:
+    """The `--max-kl` tolerances measured: their column labels and nats per token."""
+    return {label: float(label.removeprefix(TOLERANCE_PREFIX))
+            for label in result["settings"]["budget_tokens"] if label.startswith(TOLERANCE_PREFIX)}
+
+
+TOLERANCE_PREFIX = "max-kl "
+
+
 def peers(methods) -> list[str]:
     """The methods kl is compared with: all but kl and its own variants (kl-fisher, kl-layer)."""
     return [m for m in methods if m != SUBJECT and not m.startswith(SUBJECT + "-")]

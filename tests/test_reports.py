@@ -163,6 +163,29 @@ def test_plot_has_a_panel_per_measure(result):
     assert plot_bytes(result, Path("x.svg")).lstrip().startswith(b"<?xml")
 
 
+def test_tolerances_get_a_panel_of_measured_against_asked():
+    """A result with --max-kl columns: a third fidelity panel with one point per window and tolerance (the sized
+    budgets' panels unchanged), and the pooled figure of several results draws them all."""
+    pytest.importorskip("matplotlib")
+    from klevict_cli.plots import figure, tolerance_figure
+
+    settings = BenchSettings(methods=["kl"], budgets=["20%"], windows=2, context=160, continuation=16,
+                             chunk_size=64, probe_window=8, task="fidelity", max_kl=[0.05, 10.0])
+    document = Document(" ".join(CORPUS * 25), "corpus.txt", "0" * 64)
+    result = json.loads(json.dumps(run_bench(tiny_session(), document, settings)))
+    assert results.tolerances(result) == {"max-kl 0.05": 0.05, "max-kl 10": 10.0}
+    fig = figure(result)
+    panel = fig.axes[2]
+    assert [ax.get_title() for ax in fig.axes][2] == "measured against asked, 2 windows"
+    points = next(c for c in panel.collections if c.get_label() == "kl").get_offsets()
+    measured = [kl for label in ("max-kl 0.05", "max-kl 10")
+                for kl in result["fidelity"]["results"]["kl"][label]["per_window"]["kl"]]
+    assert len(points) == 4 and sorted(points[:, 1].tolist()) == pytest.approx(sorted(measured))
+    assert len(fig.axes[0].get_lines()) >= 1  # the budgets' panel still drawn
+    pooled = tolerance_figure({"a": result, "b": result})
+    assert [len(c.get_offsets()) for c in pooled.axes[0].collections if c.get_label() in ("a", "b")] == [4, 4]
+
+
 def test_bench_plot_end_to_end(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     doc = tmp_path / "doc.txt"
