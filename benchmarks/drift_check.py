@@ -61,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--plot", type=Path, help="draw measured against asked for the results with tolerances")
+    parser.add_argument("--against", nargs="+", type=Path, default=[],
+                        help="`--budget` results of the same windows at the tolerances' mean sizes, largest first")
     args = parser.parse_args()
     print("| result · method | pairs | Spearman | median est./measured | 10–90 % | within 1.5× |\n|---|---|---|---|---|---|")
     everything: dict[str, list] = {}
@@ -78,6 +80,8 @@ def main() -> None:
     asked = {name(path, result): result for path, result in loaded(args.results).items() if tolerances(result)}
     if asked:
         print(tolerance_table(asked))
+    if args.against:
+        print(equal_size_table(asked, {name(p, r): r for p, r in loaded(args.against).items()}))
     if args.plot and asked:
         from klevict_cli.plots import figure_bytes, tolerance_figure
 
@@ -116,6 +120,32 @@ def tolerance_table(asked: dict[str, dict]) -> str:
     every = sorted(r for ratios in pooled.values() for r in ratios)
     lines.append(f"| all | {len(every)} | | {statistics.median(every):.2f} | {every[0]:.2f}–{every[-1]:.2f} | "
                  f"{within(every)} |")
+    return "\n".join(lines)
+
+
+def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
+    """Per model and length (both texts' windows together): each tolerance's mean kept share and measured KL against
+    those of the `--budget` read of the same windows whose size matches it (budget columns largest first, tolerances
+    smallest first)."""
+    groups: dict[str, dict[str, list]] = {}
+    for label, result in asked.items():
+        if label not in sized:
+            continue
+        model, context, _ = label.split(" ", 2)
+        rows, budget_rows = result["fidelity"]["results"]["kl"], sized[label]["fidelity"]["results"]["kl"]
+        for n, (column, tolerance) in enumerate(sorted(tolerances(result).items(), key=lambda item: item[1])):
+            budget = list(budget_rows)[n]
+            entry = groups.setdefault(f"{model} {context} · {tolerance:g} · {budget}", {"a": [], "b": []})
+            entry["a"] += zip(rows[column]["per_window"]["cache_fraction"], rows[column]["per_window"]["kl"])
+            entry["b"] += zip(budget_rows[budget]["per_window"]["cache_fraction"],
+                              budget_rows[budget]["per_window"]["kl"])
+    lines = ["", "| model · length · tolerance · budget | windows | kept: tolerance / budget | mean KL: tolerance / "
+                 "budget | ratio |", "|---|---|---|---|---|"]
+    for label, entry in groups.items():
+        kept_a, kl_a = (statistics.fmean(x) for x in zip(*entry["a"]))
+        kept_b, kl_b = (statistics.fmean(x) for x in zip(*entry["b"]))
+        lines.append(f"| {label} | {len(entry['a'])} | {100 * kept_a:.1f} / {100 * kept_b:.1f} % | {kl_a:.4f} / "
+                     f"{kl_b:.4f} | {kl_a / kl_b:.2f}× |")
     return "\n".join(lines)
 
 
