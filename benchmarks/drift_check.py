@@ -110,7 +110,8 @@ def tolerance_table(asked: dict[str, dict]) -> str:
                 ratios = sorted(kl / tolerance for kl in window["kl"])
                 pooled.setdefault(tolerance, []).extend(ratios)
                 kept = window["cache_fraction"]
-                lines.append(f"| {label} · {tolerance:g} | {len(ratios)} | {100 * min(kept):.0f}–{100 * max(kept):.0f} % "
+                lines.append(f"| {label} · {tolerance:g} | {len(ratios)} | "
+                             f"{100 * min(kept):.0f}–{100 * max(kept):.0f} % "
                              f"| {statistics.median(ratios):.2f} | {ratios[0]:.2f}–{ratios[-1]:.2f} | "
                              f"{within(ratios)} |")
     for tolerance, ratios in sorted(pooled.items()):

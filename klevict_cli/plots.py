@@ -1,6 +1,7 @@
 """Pictures of a `klevict bench` result: KL against budget per method with the 95 % intervals, cost against KL, the
-KL measured against the `--max-kl` tolerance asked for, and retrieval accuracy against budget. matplotlib is an optional extra (`pip install 'klevict[plot]'`); it is drawn
-with the Agg canvas directly, so no GUI backend or global pyplot state is involved.
+KL measured against the `--max-kl` tolerance asked for, and retrieval accuracy against budget. matplotlib is an
+optional extra (`pip install 'klevict[plot]'`); it is drawn with the Agg canvas directly, so no GUI backend or global
+pyplot state is involved.
 """
 
 from __future__ import annotations
