@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
 
-from klevict_cli.results import tolerances  # noqa: E402
+from klevict_cli.results import tolerances, within_factor  # noqa: E402
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -52,7 +52,7 @@ def describe(label: str, found: list[tuple[float, float]]) -> str:
         return f"| {label} | {len(found)} | | | | |"
     ratios = sorted(e / m for e, m in found)
     q = statistics.quantiles(ratios, n=10, method="inclusive")
-    within = sum(1 / 1.5 <= r <= 1.5 for r in ratios) / len(ratios)
+    within = within_factor(ratios) / len(ratios)
     return (f"| {label} | {len(found)} | {spearman(*map(list, zip(*found))):.3f} | {statistics.median(ratios):.2f} | "
             f"{q[0]:.2f}–{q[-1]:.2f} | {100 * within:.0f} % |")
 
@@ -66,8 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     print("| result · method | pairs | Spearman | median est./measured | 10–90 % | within 1.5× |\n|---|---|---|---|---|---|")
     everything: dict[str, list] = {}
-    for path in args.results:
-        result = json.loads(path.read_text())
+    found_results = loaded(args.results)
+    for result in found_results.values():
         settings = result["settings"]
         for method in result["fidelity"]["results"]:
             found = pairs(result, method)
@@ -77,11 +77,11 @@ def main() -> None:
     for method, found in everything.items():
         print(describe(f"all · {method}", found))
     print(describe("all", [p for found in everything.values() for p in found]))
-    asked = {name(path, result): result for path, result in loaded(args.results).items() if tolerances(result)}
+    asked = {name(result): result for result in found_results.values() if tolerances(result)}
     if asked:
         print(tolerance_table(asked))
     if args.against:
-        print(equal_size_table(asked, {name(p, r): r for p, r in loaded(args.against).items()}))
+        print(equal_size_table(asked, {name(r): r for r in loaded(args.against).values()}))
     if args.plot and asked:
         from klevict_cli.plots import figure_bytes, tolerance_figure
 
@@ -93,7 +93,7 @@ def loaded(paths: list[Path]) -> dict[Path, dict]:
     return {path: json.loads(path.read_text()) for path in paths}
 
 
-def name(path: Path, result: dict) -> str:
+def name(result: dict) -> str:
     settings = result["settings"]
     return f"{settings['model']} {settings['context']} {Path(settings['document']['name']).stem}"
 
@@ -151,7 +151,7 @@ def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
 
 
 def within(ratios: list[float]) -> str:
-    inside = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
+    inside = within_factor(ratios)
     return f"{inside} of {len(ratios)} ({100 * inside / len(ratios):.0f} %)"
 
 

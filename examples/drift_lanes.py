@@ -24,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from drift_check import spearman  # noqa: E402
 
+from klevict_cli.results import within_factor  # noqa: E402
+
 # variant: (groups of recorded lanes, each one estimator; steps per lane); a variant is read where every recorded
 # measurement has its lanes and steps (8-lane variants from `record --lanes 8` runs)
 FOUR, EIGHT = [0, 1, 2, 3], list(range(8))
@@ -83,7 +85,7 @@ def describe(found: list[tuple[float, float]]) -> tuple[float, float, float, flo
     ratios = sorted(e / m for e, m in found)
     calibration = 1 / statistics.median(ratios)
     q = statistics.quantiles(ratios, n=10, method="inclusive")
-    within = sum(1 / 1.5 <= r * calibration <= 1.5 for r in ratios) / len(ratios)
+    within = within_factor([r * calibration for r in ratios]) / len(ratios)
     return (spearman([e for e, _ in found], [m for _, m in found]), calibration, q[0] * calibration,
             q[-1] * calibration, within)
 

@@ -47,7 +47,7 @@ from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
-from klevict_cli.results import TOLERANCE_PREFIX, summary
+from klevict_cli.results import TOLERANCE_PREFIX, summary, within_factor
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -661,9 +661,8 @@ def render(result: dict, console: Console) -> None:
 def _tolerance_cell(row: dict, label: str) -> str:
     tolerance = float(label.removeprefix(TOLERANCE_PREFIX))
     ratios = sorted(kl / tolerance for kl in row["per_window"]["kl"])
-    within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
     return (f"{100 * row['cache_fraction']['mean']:.1f} % · {statistics.median(ratios):.2f}× "
-            f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within}/{len(ratios)}")
+            f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within_factor(ratios)}/{len(ratios)}")
 
 
 def _bytes_cell(row: dict, label: str) -> str:

@@ -146,7 +146,7 @@ def tolerance_figure(results: dict[str, dict]):
     for n, (name, result) in enumerate(results.items()):
         for method in result["fidelity"]["results"]:
             draw_tolerance_points(ax, result, method, {"color": colours[n], "label": name, "zorder": 2})
-            windows += result["fidelity"]["windows_done"]
+        windows += result["fidelity"]["windows_done"]
         asked += tolerances(result).values()
     ax.grid(True, alpha=0.3)
     ax.set_xscale("log")

@@ -64,13 +64,18 @@ def budgets(result: dict) -> list[str]:
     return [label for label, tokens in result["settings"]["budget_tokens"].items() if tokens is not None]
 
 
+TOLERANCE_PREFIX = "max-kl "
+
+
 def tolerances(result: dict) -> dict[str, float]:
     """The `--max-kl` tolerances measured: their column labels and nats per token."""
     return {label: float(label.removeprefix(TOLERANCE_PREFIX))
             for label in result["settings"]["budget_tokens"] if label.startswith(TOLERANCE_PREFIX)}
 
 
-TOLERANCE_PREFIX = "max-kl "
+def within_factor(ratios, factor: float = 1.5) -> int:
+    """How many of `ratios` (estimated or measured over asked) are within `factor` of 1, either way."""
+    return sum(1 / factor <= r <= factor for r in ratios)
 
 
 def peers(methods) -> list[str]:
