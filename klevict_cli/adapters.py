@@ -62,6 +62,9 @@ class ModelAdapter:
     can_rerotate = True  # keys carry their position as a rotation that can be moved (RoPE)
     rotary_slot = "keys"  # which cached tensor holds the rotated part ("values" for MLA's k_rot)
     interleaved_rope = False  # rotary pairs are adjacent dims (2i, 2i+1) instead of (i, i+d/2)
+    # the attention module computes on what it reads from the cache (MLA expands its latent) before attending, so a
+    # forward of a copy at another dtype (Engine.probe_model) must read the cache at that dtype
+    computes_on_cache = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -309,6 +312,7 @@ class MLAAdapter(ModelAdapter):
     token), re-rotation moves the `values` slot, and policies read the expanded per-head values."""
 
     rotary_slot = "values"
+    computes_on_cache = True
 
     def __init__(self, model: nn.Module):
         super().__init__(model)

@@ -220,6 +220,8 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
         return sdpa_attention_forward(module, query, key, value, attention_mask_unused, scaling=scaling, **kwargs)
     layer_idx = module.layer_idx
     layer = ctx.cache.layers[layer_idx]
+    # a probe copy of the model at a cheaper precision (Engine.probe_model) attends over the cache as it is stored
+    dtype, query = query.dtype, query.to(key.dtype)
     if kwargs.get("softcap") is not None:
         raise ModelError("this model soft-caps attention logits, which klevict's attention does not support")
     if kwargs.get("sliding_window") not in (None, layer.window):
@@ -248,7 +250,7 @@ def klevict_attention(module, query, key, value, attention_mask_unused, scaling,
         ctx.observer(layer_idx, layer, query[0], key[0], ctx.query_positions, scaling, lse[0])
     if ctx.probe_rows:
         ctx.probes[layer_idx] = _probe(ctx, layer, visible, query, key, out, lse, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous().to(dtype), None
 
 
 def _probe(ctx: ForwardContext, layer, visible, query, key, out, lse, scaling) -> LayerProbe:

@@ -71,6 +71,7 @@ class BenchSettings:
     seed: int = 0
     chunk_size: int = 512
     probe_window: int = 32
+    probe_dtype: str = "auto"  # the probing forwards' precision (Session.probe_model), as the commands read
     task: str = "fidelity"
     needles: int = 4
     answer_tokens: int = 32  # room for the model to restate the question before the number
@@ -283,7 +284,7 @@ def _reads(settings: BenchSettings, budgets: dict[str, int | None]):
     full = ReadSettings(budget=None, method="none", chunk_size=settings.chunk_size,
                         probe_window=settings.probe_window, position_mode="original", seed=settings.seed,
                         working=settings.working, reconstruct=settings.reconstruct,
-                        measure_drift=settings.estimate)
+                        measure_drift=settings.estimate, probe_dtype=settings.probe_dtype)
     sizes = {tolerance_label(t): {"max_kl": t} for t in settings.max_kl}
     sizes.update({byte_label(b): {"max_bytes": parse_byte_limit(b)} for b in settings.max_bytes})
     return full, {(m, label): replace(full, method=m, **(sizes[label] if label in sizes
@@ -299,7 +300,7 @@ def warm_up(session, settings: BenchSettings, methods: list[str], ids: list[int]
 
     chunk = max(2, min(settings.chunk_size, settings.context) // 4)
     read = ReadSettings(budget=None, chunk_size=chunk, probe_window=settings.probe_window, seed=settings.seed,
-                        working=1.0, reconstruct=settings.reconstruct)
+                        working=1.0, reconstruct=settings.reconstruct, probe_dtype=settings.probe_dtype)
     reference = session.engine("none", None, read, "original")
     reference.feed(reference.new_stream(), ids[: min(settings.chunk_size, settings.context)])
     for method in methods:
@@ -511,6 +512,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
             "model_weights_sha256": session.lm.weights_sha256,
             "device": str(next(session.lm.model.parameters()).device),
             "dtype": str(next(session.lm.model.parameters()).dtype).removeprefix("torch."),
+            "probe_precision": session.probe_precision(settings.probe_dtype),  # what --probe-dtype is on this machine
             "document": {"name": document.name, "sha256": document.sha256, "tokens": len(doc_ids)},
             "interval": "mean ± 1.96·sd/√n over windows",
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -550,14 +552,15 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
 
 
 # settings a resumed run may change: when and where it runs, and how many windows it plans
-RESUMABLE_CHANGES = ("windows", "created", "machine", "versions", "resumed_from", "merged_from")
+# --probe-dtype may be spelt differently (auto, or the dtype it means): the precision it runs at must agree
+RESUMABLE_CHANGES = ("windows", "created", "machine", "versions", "resumed_from", "merged_from", "probe_dtype")
 
 
 def check_resumable(saved: dict, settings: dict) -> None:
     """A saved run can be resumed only by a run measuring the same thing."""
     if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
         raise UsageError("--resume: not a klevict bench result")
-    theirs = saved["settings"]
+    theirs = {"probe_precision": saved["settings"].get("dtype"), **saved["settings"]}  # earlier runs: the model's
     same_text = {**theirs.get("document", {}), "name": None} == {**settings["document"], "name": None}
     differ = sorted(k for k in set(theirs) | set(settings)
                     if k not in RESUMABLE_CHANGES + ("document",) and theirs.get(k) != settings.get(k))

@@ -302,19 +302,25 @@ class KVCache:
         self.layers = layers
         self._positions: torch.Tensor | None = None
         self._rope_positions: torch.Tensor | None = None
+        self._read_as: torch.dtype | None = None
 
     @classmethod
     def empty(cls, shapes: list[LayerShape], device, dtype) -> KVCache:
         return cls([LayerCache.empty(s, device, dtype) for s in shapes])
 
-    def begin(self, positions: torch.Tensor, rope_positions: torch.Tensor) -> None:
+    def begin(self, positions: torch.Tensor, rope_positions: torch.Tensor, read_as: torch.dtype | None = None
+              ) -> None:
+        """The next forward's token positions; `read_as`: the dtype it reads the cache at (else as stored)."""
         self._positions = positions
         self._rope_positions = rope_positions
+        self._read_as = read_as
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
         layer.append(key_states[0], value_states[0], self._positions[None], self._rope_positions[None])
-        return layer.keys[None], layer.values[None]
+        if self._read_as is None:
+            return layer.keys[None], layer.values[None]
+        return layer.keys[None].to(self._read_as), layer.values[None].to(self._read_as)
 
     # transformers asks these of any cache; positions are always passed explicitly, so they are informational.
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -26,7 +26,7 @@ from klevict_cli.display import Count, TextStream, err, json_text, shown, visibl
 from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
-    DTYPE_CHOICES, MAX_COUNT, check_choice, check_int_range, check_positive_int, check_real, load_config,
+    DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real, load_config,
     merge_options, parse_byte_limit, resolve_device, resolve_dtype,
 )
 from klevict_cli.reading import check_session, read_options, read_settings, session_for
@@ -64,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.1,
     "position_mode": "auto",
     "probe_window": 32,
+    "probe_dtype": "auto",
     "json": False,
     "quiet": False,
     "max_memory": None,
@@ -99,6 +100,10 @@ RepeatOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="D
 ModeOpt = Annotated[str | None, typer.Option("--position-mode", help="auto (default), original or compact.")]
 ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last tokens of a chunk used as probes and "
                                               "always kept (default 32).")]
+ProbeDtypeOpt = Annotated[str | None, typer.Option("--probe-dtype", help="Precision of the forwards that only inform "
+                                                   "the choice (drafts, re-reading, the drift's samples): auto "
+                                                   "(bfloat16 where the device computes it natively, for a float32 "
+                                                   "model), float32, bfloat16, float16.")]
 JsonOpt = Annotated[bool | None, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
 MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
@@ -212,6 +217,7 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     else:
         resolve_dtype(opts["dtype"], resolve_device(opts["device"]))
     check_choice("position_mode", opts["position_mode"], ("auto", "original", "compact"))
+    check_choice("probe_dtype", opts["probe_dtype"], PROBE_DTYPE_CHOICES)
     if opts.get("cache_dtype") is not None:
         check_choice("cache_dtype", opts["cache_dtype"], CACHE_DTYPES)
     check_choice("method", opts["method"], METHOD_NAMES)
@@ -361,7 +367,8 @@ def summarize(
     temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
     position_mode: ModeOpt = None, probe_window: ProbeOpt = None, working_limit: WorkingOpt = None,
     reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
-    max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    probe_dtype: ProbeDtypeOpt = None, max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None,
+    config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
@@ -371,7 +378,7 @@ def summarize(
                            top_p=top_p, repetition_penalty=repetition_penalty, position_mode=position_mode,
                            probe_window=probe_window, json=json_out, working_limit=working_limit,
                            reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory,
-                           max_kl=max_kl, estimate=estimate)
+                           max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     session, result = read_document(opts, file, reconstruct_default=False)
     answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
@@ -407,7 +414,7 @@ def compress(
                                                   " or 5% of the full cache's), choosing float16, int8 or int4 and "
                                                   "the entries each fits by the drift their cache gives; with "
                                                   "--cache-dtype, that dtype.")] = None,
-    max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
+    max_kl: MaxKlOpt = None, estimate: EstimateOpt = None, probe_dtype: ProbeDtypeOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read and compress a document; write the cache to a .kvc file (atomically) or, with -o -, to stdout. Many
@@ -418,7 +425,7 @@ def compress(
                            dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
                            cache_dtype=cache_dtype, max_bytes=max_bytes, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct,
-                           max_kl=max_kl, estimate=estimate)
+                           max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_choice("engine", engine, ("local", "ray"))
     if workers is not None:
         check_positive_int("workers", workers)
@@ -696,7 +703,8 @@ def bench(
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    seed: SeedOpt = None, probe_window: ProbeOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    seed: SeedOpt = None, probe_window: ProbeOpt = None, probe_dtype: ProbeDtypeOpt = None, quiet: QuietOpt = None,
+    config: ConfigOpt = None,
 ):
     """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
     from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
@@ -704,7 +712,7 @@ def bench(
     from klevict_cli.policies import POLICIES
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
-                           probe_window=probe_window, quiet=quiet, json=json_out)
+                           probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)
@@ -714,7 +722,7 @@ def bench(
     settings = BenchSettings(
         methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
-        probe_window=opts["probe_window"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
+        probe_window=opts["probe_window"], probe_dtype=opts["probe_dtype"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct, max_kl=parse_tolerances(max_kl), estimate=estimate,
         cache_dtypes=parse_cache_dtypes(cache_dtypes), max_bytes=parse_byte_limits(max_bytes),
     )

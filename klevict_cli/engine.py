@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers import PreTrainedModel
 
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
@@ -186,8 +187,12 @@ class Engine:
         storage: dict[str, int | None] | None = None,
         evicted_bytes: int = EVICTED_BYTES,
         drift_points: tuple[tuple[int, float], ...] | None = None,
+        probe_model: Callable[[], PreTrainedModel | None] | None = None,
     ):
         self.model = model
+        # the probing forwards (drafts, a re-reading, the drift's samples) run on the copy this gives, at a cheaper
+        # precision, where it gives one (Session.probe_model; asked when a probing forward first runs)
+        self.probe_source = probe_model
         self.adapter = adapter
         self.policy = policy
         self.budget = budget if policy.evicts else None
@@ -224,9 +229,27 @@ class Engine:
         self.shapes = adapter.layer_shapes()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.ready(model, adapter.final_norm)
+
+    @staticmethod
+    def ready(model: PreTrainedModel, final_norm: torch.nn.Module) -> None:
+        """Make `model` attend with klevict's attention and record its final residuals at the probes."""
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
-        attention.install_residual_hook(adapter.final_norm)
+        attention.install_residual_hook(final_norm)
+
+    @functools.cached_property
+    def probe_model(self) -> PreTrainedModel | None:
+        """The copy the probing forwards run on (`forward`), or None: the model itself."""
+        copy = self.probe_source() if self.probe_source is not None else None
+        if copy is not None:
+            norm = next(name for name, module in self.model.named_modules() if module is self.adapter.final_norm)
+            self.ready(copy, copy.get_submodule(norm))
+        return copy
+
+    @property
+    def probe_dtype(self) -> torch.dtype:
+        return next(self.probe_model.parameters()).dtype if self.probe_model is not None else self.dtype
 
     def new_stream(self) -> Stream:
         """An empty stream; the policy forgets what it learnt on the previous one (e.g. kl's calibration)."""
@@ -242,26 +265,31 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        rope_start: int | None = None, lanes: Lanes | None = None,
+        rope_start: int | None = None, lanes: Lanes | None = None, measuring: bool = False,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
         see only the cached entries it marks (and each other). `probing`: the tokens are probes that will be
         forgotten (drafts, a re-reading), which policies that observe every forward do not see. `rope_start`: the
         tokens' first rotary position, if not the stream's next (`place`). `lanes`: the tokens continue independent
-        lanes (attention.Lanes) begun at or before this forward. Returns the logits of the last `logits_rows` tokens
-        (default: max(1, probe_rows))."""
+        lanes (attention.Lanes) begun at or before this forward. Probing forwards run on the probe copy, if any, unless
+        `measuring`: their logits are a measurement (the drift's), taken on the model itself. Returns the logits of
+        the last `logits_rows` tokens (default: max(1, probe_rows))."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         start = stream.next_rope if rope_start is None else rope_start
         rope = torch.arange(start, start + t, device=self.device) if lanes is None else lanes.rope(positions)
-        stream.cache.begin(positions, rope)
+        model = self.model if not probing or measuring else self.probe_model or self.model
+        # a copy at another dtype attends over the cache as stored, but a module that computes on what it reads
+        # from the cache (MLA) reads it at the copy's dtype
+        read_as = self.probe_dtype if model is not self.model and self.adapter.computes_on_cache else None
+        stream.cache.begin(positions, rope, read_as)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
                              probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
                              lanes=lanes)
         with forward_context(ctx):
             out = run_with_cache(
-                self.model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
+                model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
                 logits_to_keep=logits_rows or max(1, probe_rows),
             )
         stream.tokens.extend(ids)
@@ -551,8 +579,8 @@ class Engine:
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
         """A continuation sampled for measuring the read's drift (`measure_drift`): DRIFT_LANES independent ones side
         by side, token by token from the cache of the whole read — the one held before the last choice with what
-        earlier evictions set aside (`Evicted`) — with that cache's logits for them; none unless the engine measures
-        drift. Never the look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds
+        earlier evictions set aside (`Evicted`) — with that cache's logits for them (sampled on the probe copy where
+        there is one, and then read again on the model, in one forward); none unless the engine measures drift. Never the look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds
         start from a repeat of the last tokens read, so they copy more than the text that follows does."""
         if self.drift_generator is None:
             return None
@@ -571,6 +599,10 @@ class Engine:
             logits, _ = self.forward(reference, step, logits_rows=DRIFT_LANES, probing=True, lanes=lanes)
             tokens += step
             rows.append(logits)
+        if self.probe_model is not None and tokens:  # sampled on the probe copy: their logits from the model itself
+            self.forget_drafts(reference, len(tokens))
+            rows = [self.forward(reference, tokens, logits_rows=len(tokens), probing=True, measuring=True,
+                                 lanes=lanes)[0]]
         if reference is stream:
             self.forget_drafts(stream, len(tokens))
         return Continuation(tokens, torch.cat(rows), DRIFT_LANES, whole, before) if tokens else None
@@ -583,7 +615,8 @@ class Engine:
         interval over the lanes: a lane's tokens are not independent samples). `covers`: "read", or "last eviction"
         where what earlier evictions dropped could not be set aside (`Evicted`)."""
         lanes = Lanes(stream.next_position, stream.next_rope, drafted.lanes)
-        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True, lanes=lanes)
+        after, _ = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True, measuring=True,
+                                lanes=lanes)
         self.forget_drafts(stream, len(drafted.tokens))
         kl = token_kl(drafted.logits, after)
         per_lane = kl.view(-1, drafted.lanes).mean(dim=0)

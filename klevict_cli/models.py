@@ -249,6 +249,15 @@ def dequantised_copy(gguf_model: PreTrainedModel) -> PreTrainedModel:
     return plain
 
 
+def probe_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """`model` with its parameters in `dtype`, for the forwards whose tokens are only probes (`--probe-dtype`,
+    Session.probe_model). Buffers (rotary frequencies) stay as they are; tied parameters stay tied."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
+    copied = copy.deepcopy(model, memo)
+    copied.eval()
+    return copied
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

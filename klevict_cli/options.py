@@ -328,6 +328,38 @@ def format_size(size: int) -> str:
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA
 
 
+# --probe-dtype: the forwards whose tokens are only samples of what the model may see next (look-ahead drafts, the
+# re-reading, the sampled continuation of the drift estimate) run on a copy of the model at this precision; the read
+# and every measured logit stay at the model's. auto: bfloat16 where the device computes it natively and the model is
+# float32 (docs/method.md, "Probe precision"), else the model itself.
+PROBE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def native_bfloat16(device) -> bool:
+    """Whether `device` multiplies bfloat16 natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX),
+    so that a bfloat16 product costs less than a float32 one instead of more."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return any(getattr(torch.cpu, check, lambda: False)()
+                   for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return False
+
+
+def resolve_probe_dtype(name: str, device, model_dtype):
+    """The dtype of the probe copy for --probe-dtype, or None where the probes run on the model itself."""
+    import torch
+
+    check_choice("probe_dtype", name, PROBE_DTYPE_CHOICES)
+    if name == "auto":
+        wanted = torch.bfloat16 if model_dtype == torch.float32 and native_bfloat16(device) else model_dtype
+    else:
+        wanted = getattr(torch, name)
+    return None if wanted == model_dtype else wanted
+
+
 def resolve_device(name: str):
     """The torch device for --device, refusing one this machine does not have: a bad option, found before the model
     loads."""

@@ -55,7 +55,8 @@ def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
         budget=read_budget(opts), max_kl=opts.get("max_kl"), method=opts["method"], chunk_size=opts["chunk_size"],
         cache_dtype=opts.get("cache_dtype"),
         max_bytes=parse_byte_limit(str(opts["max_bytes"])) if opts.get("max_bytes") is not None else None,
-        probe_window=opts["probe_window"], position_mode=opts["position_mode"], seed=opts["seed"],
+        probe_window=opts["probe_window"], probe_dtype=opts["probe_dtype"], position_mode=opts["position_mode"],
+        seed=opts["seed"],
         max_new_tokens=opts["max_new_tokens"],
         max_memory=parse_size("max_memory", opts["max_memory"]) if opts.get("max_memory") else None,
     )
@@ -74,8 +75,11 @@ def check_session(session, settings) -> None:
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
                          f" {session.adapter.max_positions} positions")
-    floor = session.estimate_peak_bytes(0, 0) if settings.max_memory else 0  # weights and runtime: no budget helps
+    # weights (and their probe copy) and the runtime: no budget helps
+    floor = session.estimate_peak_bytes(0, 0, settings.probe_dtype) if settings.max_memory else 0
     if settings.max_memory is not None and settings.max_memory < floor:
+        copy = session.probe_copy_dtype(settings.probe_dtype) is not None
         raise ResourceError(f"--max-memory {format_size(settings.max_memory)} is less than the model alone needs"
-                            f" (about {format_size(floor)} with the runtime); raise --max-memory or use a smaller"
+                            f" (about {format_size(floor)} with the runtime{' and its probe copy' if copy else ''});"
+                            f" raise --max-memory{', use --probe-dtype float32' if copy else ''} or use a smaller"
                             " --model")

@@ -164,7 +164,8 @@ def command(result: dict, path: Path) -> str:
         parts += ["--cache-dtype", ",".join(s["cache_dtypes"])]
     if s.get("max_bytes"):
         parts += ["--max-bytes", ",".join(s["max_bytes"])]
-    parts += ["--device", s["device"], "--dtype", s["dtype"], "--out", path.as_posix()]
+    parts += ["--device", s["device"], "--dtype", s["dtype"], "--probe-dtype", s.get("probe_precision", s["dtype"]),
+              "--out", path.as_posix()]
     return shlex.join(str(p) for p in parts)
 
 

@@ -6,6 +6,7 @@ The CLI and the bench both call these; the engine below them knows nothing about
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from klevict_cli import __version__, calibrations
 from klevict_cli.adapter_check import adapter_for
@@ -23,8 +25,8 @@ from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
-from klevict_cli.models import LoadedModel
-from klevict_cli.options import Budget, ByteLimit, format_size
+from klevict_cli.models import LoadedModel, probe_copy
+from klevict_cli.options import Budget, ByteLimit, format_size, resolve_probe_dtype
 from klevict_cli.policies import POLICIES, make_policy
 from klevict_cli.probes import Reconstruction
 from klevict_cli.prompts import encode_text, frame_for, stop_ids
@@ -59,6 +61,7 @@ class ReadSettings:
     # keys and values within this many bytes: of float16, int8 and int4 (or `cache_dtype`), each at the budget that
     # fits, the one whose stored cache drifts least (Engine.storage)
     max_bytes: ByteLimit | None = None
+    probe_dtype: str = "auto"  # the probing forwards' precision (options.PROBE_DTYPE_CHOICES; Session.probe_model)
 
 
 @dataclass
@@ -114,6 +117,25 @@ class Session:
         self.adapter: ModelAdapter = adapter_for(lm.model)
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
+        self.probe_copies: dict[torch.dtype, PreTrainedModel] = {}  # made once, when a read first asks for one
+
+    def probe_copy_dtype(self, probe_dtype: str) -> torch.dtype | None:
+        """The dtype of the copy `--probe-dtype` asks for on this machine, or None: the probes run on the model."""
+        param = next(self.lm.model.parameters())
+        return resolve_probe_dtype(probe_dtype, param.device, param.dtype)
+
+    def probe_model(self, probe_dtype: str) -> PreTrainedModel | None:
+        """The copy of the model that runs a read's probing forwards at `probe_dtype` (models.probe_copy), or None
+        where they run on the model itself."""
+        dtype = self.probe_copy_dtype(probe_dtype)
+        if dtype is not None and dtype not in self.probe_copies:
+            self.probe_copies[dtype] = probe_copy(self.lm.model, dtype)
+        return self.probe_copies.get(dtype)
+
+    def probe_precision(self, probe_dtype: str) -> str:
+        """The dtype the probing forwards run at on this machine (`probe_model`), by name."""
+        dtype = self.probe_copy_dtype(probe_dtype) or next(self.lm.model.parameters()).dtype
+        return str(dtype).removeprefix("torch.")
 
     def policy(self, method: str):
         """`method`'s policy as this model reads with it: from the state klevict ships for the model, if any."""
@@ -135,10 +157,11 @@ class Session:
                                                         sees=policy.reconstruction_sees) if wanted else None,
             measure_drift=settings.measure_drift, max_kl=settings.max_kl, drift_points=self.drift_points,
             storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
+            probe_model=functools.partial(self.probe_model, settings.probe_dtype),
         )
         if settings.max_memory is not None and engine.budget is not None:  # what is evicted is set aside within it
-            engine.evicted_bytes = max(0, settings.max_memory - self.estimate_peak_bytes(engine.working,
-                                                                                         settings.chunk_size))
+            engine.evicted_bytes = max(0, settings.max_memory - self.estimate_peak_bytes(
+                engine.working, settings.chunk_size, settings.probe_dtype))
         return engine
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -171,7 +194,7 @@ class Session:
         if storage is not None and plan.budget is not None:  # what the positions allow (compact mode) caps them all
             storage = {dtype: min(entries, plan.budget) for dtype, entries in storage.items()}
         if settings.max_memory is not None:
-            need = self.estimate_peak_bytes(plan.budget or len(ids), settings.chunk_size)
+            need = self.estimate_peak_bytes(plan.budget or len(ids), settings.chunk_size, settings.probe_dtype)
             if need > settings.max_memory:
                 raise ResourceError(
                     f"reading needs about {need / 2**30:.2f} GiB (model + cache of {plan.budget or len(ids)} tokens +"
@@ -180,7 +203,8 @@ class Session:
                 )
             if plan.budget is not None and settings.working is None:  # the largest working limit that fits
                 settings = replace(settings, working=Budget(tokens=self.working_within(
-                    settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size)))
+                    settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size,
+                    settings.probe_dtype)))
         engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap, storage)
         stream = engine.new_stream()
         per_token = self.bytes_per_token()
@@ -222,19 +246,23 @@ class Session:
                                 f" model, even as {list(budgets)[-1]}")
         return {dtype: budget for dtype, budget in budgets.items() if budget >= 1}
 
-    def working_within(self, max_memory: int, budget: int, most: int, chunk: int) -> int:
+    def working_within(self, max_memory: int, budget: int, most: int, chunk: int, probe_dtype: str = "auto") -> int:
         """The largest working limit in [budget, most] entries per head whose reading fits `max_memory` bytes."""
         low, high = budget, most
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.estimate_peak_bytes(mid, chunk) <= max_memory else (low, mid - 1)
+            fits = self.estimate_peak_bytes(mid, chunk, probe_dtype) <= max_memory
+            low, high = (mid, high) if fits else (low, mid - 1)
         return low
 
-    def estimate_peak_bytes(self, kept: int, chunk: int) -> int:
-        """Upper estimate of resident bytes while reading: weights, the cache at its largest (kept + chunk entries
-        per head), the chunk's attention scores and activations. Used to fail up front, not after an hour."""
+    def estimate_peak_bytes(self, kept: int, chunk: int, probe_dtype: str = "auto") -> int:
+        """Upper estimate of resident bytes while reading: weights (with the probe copy `probe_dtype` asks for), the
+        cache at its largest (kept + chunk entries per head), the chunk's attention scores and activations. Used to
+        fail up front, not after an hour."""
         model = self.lm.model
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        copy = self.probe_copy_dtype(probe_dtype)
+        itemsize = next(model.parameters()).element_size() + (copy.itemsize if copy is not None else 0)
+        weights = sum(p.numel() for p in model.parameters()) * itemsize
         shapes = self.adapter.layer_shapes()
         cache = (kept + chunk) * self.bytes_per_token()
         cfg = model.config
@@ -331,6 +359,7 @@ class Session:
             "probe_window": str(settings.probe_window),
             "working_limit": str(settings.working) if settings.working is not None else "default",
             "reconstruct": str(settings.reconstruct).lower(),
+            "probe_dtype": self.probe_precision(settings.probe_dtype),
             **({"max_kl": repr(settings.max_kl)} if settings.max_kl is not None else {}),
             **({"max_bytes": str(settings.max_bytes)} if settings.max_bytes is not None else {}),
             **({"estimated_kl": json.dumps(stream.drift, sort_keys=True)} if stream.drift is not None else {}),

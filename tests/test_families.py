@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -58,10 +59,12 @@ from klevict_cli.cache import KVCache, LayerCache
 from klevict_cli.cli import app
 from klevict_cli.engine import Engine, Stream
 from klevict_cli.errors import ModelError, ResourceError
+from klevict_cli.models import probe_copy
 from klevict_cli.kvc import KvcFile, LayerSpec, load_kvc, packed_from_padded, padded_from_packed, save_kvc
 from klevict_cli.oracle import float64_copy, leave_one_out_kl
 from klevict_cli.policies import make_policy
 from klevict_cli.policies.kl import KL
+from klevict_cli.probes import Reconstruction
 from tests.conftest import tiny_llama
 from tests.reference import eviction_vs_masking
 from klevict_cli.oracle import spearman
@@ -614,3 +617,21 @@ def test_every_policy_evicts_while_reading_and_decoding(family):
         assert len(tokens) == 12
         if engine.budget is not None:
             assert engine.held_per_head(stream) <= 12 + 2 + 4 + 1, method
+
+
+def test_probes_on_a_bfloat16_copy_read_every_family(family):
+    """A read whose probing forwards (drafts, a re-reading, the drift's samples) run on a bfloat16 copy of the model
+    (`--probe-dtype`) reads as one on the model does — the same last logits, the cache within its budget — and its
+    drift, measured on the model, is a number."""
+    _, model, adapter = family
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    copy = probe_copy(model, torch.bfloat16)
+    ends = []
+    for probe_model in (None, lambda: copy):
+        engine = Engine(model, adapter, KL(lookahead=8), budget=20, chunk_size=48, probe_window=8, measure_drift=True,
+                        reconstruction=Reconstruction([1, 2], [3], [4], span=16), probe_model=probe_model)
+        stream = engine.new_stream()
+        ends.append(engine.feed(stream, ids))
+        assert stream.tokens == ids and engine.held_per_head(stream) <= 20
+        assert math.isfinite(stream.drift["kl"]) and stream.drift["kl"] >= 0
+    assert engine.probe_model is copy and torch.equal(ends[0], ends[1])

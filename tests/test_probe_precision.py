@@ -1,0 +1,138 @@
+"""`--probe-dtype`: the forwards whose tokens are only samples of what the model may see next (look-ahead drafts, the
+re-reading, the drift's sampled continuation) run on a copy of the model at a cheaper precision; the read, and every
+logit that is a measurement, run on the model itself."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from klevict_cli import options
+from klevict_cli.adapter_check import adapter_for
+from klevict_cli.bench import continuation_logits, token_metrics
+from klevict_cli.engine import Engine
+from klevict_cli.errors import UsageError
+from klevict_cli.models import probe_copy
+from klevict_cli.policies import make_policy
+from klevict_cli.probes import Reconstruction
+from tests.conftest import tiny_llama
+from tests.test_drift import lane_by_lane
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONTEXT, CONTINUATION, CHUNK = 200, 16, 64
+
+
+def test_a_probe_copy_holds_the_parameters_at_its_dtype_and_leaves_the_model_as_it_was():
+    model = tiny_llama(seed=1, tie_word_embeddings=True)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    copy = probe_copy(model, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight  # still tied
+    assert all(b.dtype == torch.float32 for b in copy.buffers())  # rotary frequencies as they were
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name])
+    for (name, p), q in zip(model.named_parameters(), copy.parameters()):
+        torch.testing.assert_close(q.float(), p, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_auto_takes_bfloat16_only_where_the_device_computes_it_natively(monkeypatch):
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(options, "native_bfloat16", lambda device, native=native: native)
+        want = torch.bfloat16 if native else None
+        assert options.resolve_probe_dtype("auto", cpu, torch.float32) == want
+        assert options.resolve_probe_dtype("auto", cpu, torch.bfloat16) is None  # already 16-bit: the model itself
+        assert options.resolve_probe_dtype("float32", cpu, torch.float32) is None
+        assert options.resolve_probe_dtype("float16", cpu, torch.float32) == torch.float16
+    with pytest.raises(UsageError):
+        options.resolve_probe_dtype("int8", cpu, torch.float32)
+
+
+def read(probe_dtype: torch.dtype | None, method: str = "kl", budget: int | None = 40, reread: bool = False,
+         measure: bool = True, context: int = CONTEXT):
+    model = tiny_llama(seed=3)
+    ids = torch.randint(3, 300, (CONTEXT + CONTINUATION,), generator=torch.Generator().manual_seed(5)).tolist()
+    copies = []
+
+    def copy():
+        copies.append(probe_copy(model, probe_dtype))
+        return copies[-1]
+
+    policy = make_policy(method)
+    source = Reconstruction([1, 2], [3], [4], span=32) if reread or policy.reconstruction == "required" else None
+    engine = Engine(model, adapter_for(model), policy, budget, chunk_size=CHUNK, reconstruction=source,
+                    measure_drift=measure, probe_model=copy if probe_dtype is not None else None)
+    stream = engine.new_stream()
+    last = engine.feed(stream, ids[:context])
+    return engine, stream, last, ids, copies
+
+
+def test_the_drift_is_measured_on_the_model_though_its_tokens_were_sampled_on_the_copy(monkeypatch):
+    """The continuation's logits before the choice are the model's over everything read (each lane read alone over
+    the full cache gives them; a read of 120 tokens evicts once, at its end), not the copy's; the sampled tokens are
+    forgotten."""
+    seen = []
+    measure = Engine.measure_drift
+    monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
+        self, stream, drafted))
+    engine, stream, _, ids, copies = read(torch.bfloat16, context=120)
+    assert len(copies) == 1 and stream.tokens == ids[:120]
+    full_engine, full, *_ = read(None, budget=None, context=120)
+    torch.testing.assert_close(seen[0].logits, lane_by_lane(full_engine, full, seen[0]), rtol=1e-4, atol=1e-4)
+    # the copy's own logits for the same tokens are another distribution: measuring on them would not be this
+    sampled_on_copy = lane_by_lane(Engine(copies[0], adapter_for(copies[0]), make_policy("none"), None), full,
+                                   seen[0]).float()
+    assert not torch.allclose(sampled_on_copy, seen[0].logits, rtol=1e-4, atol=1e-4)
+    assert stream.drift["kl"] > 0
+
+
+def test_the_read_itself_runs_on_the_model():
+    """A read's own logits are the model's whatever runs its probes (a read of 120 tokens evicts once, at its end);
+    nothing evicted, no copy is made."""
+    for method in ("kl", "kvzip"):
+        _, _, last, _, _ = read(None, method, context=120)
+        _, _, last_copy, _, copies = read(torch.bfloat16, method, context=120)
+        assert torch.equal(last, last_copy) and len(copies) == 1
+    _, stream, _, ids, copies = read(torch.bfloat16, budget=None)
+    assert copies == [] and stream.drift is None
+
+
+@pytest.mark.parametrize("method, reread", [("kl", False), ("kl", True), ("kvzip", False)])
+def test_probes_on_a_bfloat16_copy_keep_the_cache_as_close_to_the_full_one(method, reread):
+    """The caches chosen with bfloat16 probes are as usable as with the model's own: the next tokens' KL against the
+    full cache stays small, and within a factor of the float32 probes' (tiny random models: a loose bound)."""
+    engine_f, stream_f, last_f, ids, _ = read(None, budget=None, measure=False)
+    full = continuation_logits(engine_f, stream_f, last_f, ids[CONTEXT:])
+    target = torch.tensor(ids[CONTEXT:])
+    kls = {}
+    for dtype in (None, torch.bfloat16):
+        engine, stream, last, _, _ = read(dtype, method, budget=24, reread=reread, measure=False)
+        kls[dtype] = token_metrics(full, continuation_logits(engine, stream, last, ids[CONTEXT:]), target)["kl"]
+    assert kls[torch.bfloat16] < 0.05
+    assert kls[torch.bfloat16] < 3 * kls[None] + 1e-3
+
+
+def test_a_session_makes_one_copy_and_names_its_precision(monkeypatch):
+    from tests.conftest import tiny_session
+
+    session = tiny_session()
+    monkeypatch.setattr(options, "native_bfloat16", lambda device: True)
+    assert session.probe_precision("auto") == "bfloat16" and session.probe_precision("float32") == "float32"
+    assert session.probe_model("float32") is None
+    first = session.probe_model("auto")
+    assert first is session.probe_model("bfloat16") and next(first.parameters()).dtype == torch.bfloat16
+    monkeypatch.setattr(options, "native_bfloat16", lambda device: False)
+    assert session.probe_precision("auto") == "float32" and session.probe_model("auto") is None
+
+
+def test_a_read_that_never_probes_makes_no_copy():
+    """The engine asks for its copy only when a probing forward runs: a read that never probes makes none."""
+    asked = []
+    model = tiny_llama(seed=3)
+    engine = Engine(model, adapter_for(model), make_policy("streaming"), 20, chunk_size=CHUNK,
+                    probe_model=functools.partial(asked.append, "asked"))
+    engine.feed(engine.new_stream(), list(range(3, 150)))
+    assert asked == []
