@@ -4,10 +4,12 @@
     python examples/cost.py ../shared/data/moby-dick.txt --tokens 4096 --reps 2
     python examples/cost.py ../shared/data/moby-dick.txt --device cuda --methods kl,snapkv --tokens 2048,8192
     python examples/cost.py ../shared/data/moby-dick.txt --model SHAPE_FOLDER --random-weights --dtype bfloat16
+    python examples/cost.py ../shared/data/moby-dick.txt --tokens 300 --budgets 96 --probe-dtype float32,bfloat16
 
 A busy or throttled machine changes speed from minute to minute, so each compressing read is timed right after a
 full read of the same tokens and the table reports the median (and spread) of those paired ratios. The time is
-`Engine.feed` alone: chunked prefill, scoring, eviction and, for `kl`, its look-ahead drafts and calibration.
+`Engine.feed` alone: chunked prefill, scoring, eviction and, for `kl`, its look-ahead drafts and calibration (the probe
+copy of `--probe-dtype` is made in the warm-up, as a session makes it once).
 
 `--random-weights` builds the model from `--model`'s config.json (and its tokenizer) with random weights, so the cost
 of a model too large to carry can be timed; its outputs are noise, so only its times mean anything. `--profile FILE`
@@ -41,12 +43,13 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cu
 
 
 def timed_feed(session: Session, ids: list[int], method: str, budget: int | None, device: torch.device,
-               scoped: bool = False, estimate: bool = False) -> float:
+               scoped: bool = False, estimate: bool = False, probe_dtype: str = "auto") -> float:
     """One read of `ids` as the CLI reads (its engine, chunking and working limit; `kl-reconstruct` as `compress`).
 
     `scoped` marks evictions and their model passes for the profiler (op_count's scopes); `estimate`: the read
-    measures its drift (as `compress` does by default)."""
-    engine = session.engine(method, budget, ReadSettings(budget=None, measure_drift=estimate), "original")
+    measures its drift (as `compress` does by default); `probe_dtype`: as `--probe-dtype`."""
+    engine = session.engine(method, budget, ReadSettings(budget=None, measure_drift=estimate, probe_dtype=probe_dtype),
+                            "original")
     if scoped:
         engine.__class__ = counted(type(engine))
     stream = engine.new_stream()
@@ -117,6 +120,8 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true", help="--model's shape with random weights")
     parser.add_argument("--profile", default=None, help="write a profile of one read per method to this file")
     parser.add_argument("--estimate", action="store_true", help="the reads measure their drift (compress's default)")
+    parser.add_argument("--probe-dtype", default="auto", help="as the commands' --probe-dtype; several (float32,"
+                        "bfloat16): each timed against its own full reads, interleaved")
     args = parser.parse_args()
 
     if args.random_weights:
@@ -146,32 +151,35 @@ def measure(session: Session, ids: list[int], tokens: int, args, device: torch.d
     step = (len(ids) - tokens) // args.places
     windows = [ids[i * step : i * step + tokens] for i in range(args.places)]
     budgets = [parse_budget(b).resolve(tokens) for b in args.budgets.split(",")]
-    methods = args.methods.split(",")
+    probes = args.probe_dtype.split(",")
+    methods = [(m, p) for m in args.methods.split(",") for p in probes]
     timed_feed(session, windows[0][:600], "none", None, device)  # warm-up: first-call costs off the timings
-    for method in methods:
-        timed_feed(session, windows[0][:600], method, 64, device)
+    for method, probe in methods:  # (and the probe copy made)
+        timed_feed(session, windows[0][:600], method, 64, device, estimate=args.estimate, probe_dtype=probe)
 
     ratios: dict[tuple[str, int], list[float]] = {(m, b): [] for m in methods for b in budgets}
     full_times: list[float] = []
     for window in windows:
         for _ in range(args.reps):
-            for method in methods:
+            for method, probe in methods:
                 for budget in budgets:
                     full = timed_feed(session, window, "none", None, device)
-                    compressed = timed_feed(session, window, method, budget, device, estimate=args.estimate)
+                    compressed = timed_feed(session, window, method, budget, device, estimate=args.estimate,
+                                            probe_dtype=probe)
                     full_times.append(full)
-                    ratios[(method, budget)].append(compressed / full)
+                    ratios[((method, probe), budget)].append(compressed / full)
 
     print(f"\n{tokens} tokens, {device} {args.dtype}, torch threads {torch.get_num_threads()}; "
           f"full read median {statistics.median(full_times):.3f} s "
           f"(range {min(full_times):.3f}-{max(full_times):.3f} s)")
-    print("\n| method | budget | cost vs full read (median) | mean | range | pairs |")
-    print("|---|---|---|---|---|---|")
+    print("\n| method | probes | budget | cost vs full read (median) | mean | range | pairs |")
+    print("|---|---|---|---|---|---|---|")
     report = {"tokens": tokens, "device": str(device), "dtype": args.dtype, "full_seconds": full_times,
-              "ratios": {}}
-    for (method, budget), r in ratios.items():
-        report["ratios"][f"{method}@{budget}"] = r
-        print(f"| {method} | {budget} ({budget / tokens:.0%}) | {statistics.median(r):.2f}× | "
+              "probe_dtype": {p: session.probe_precision(p) for p in probes}, "ratios": {}}
+    for ((method, probe), budget), r in ratios.items():
+        report["ratios"][f"{method}@{budget}" + (f"@{probe}" if len(probes) > 1 else "")] = r
+        print(f"| {method} | {session.probe_precision(probe)} | {budget} ({budget / tokens:.0%}) | "
+              f"{statistics.median(r):.2f}× | "
               f"{statistics.mean(r):.2f}× | {min(r):.2f}-{max(r):.2f}× | {len(r)} |")
     return report, windows, budgets
 

@@ -1,0 +1,55 @@
+"""Paired comparison of bench results read with `--probe-dtype float32` (FOLDER/f32-*.json) and `bfloat16`
+(FOLDER/bf16-*.json), the same windows: per method and budget the geometric mean over windows of KL(bfloat16) /
+KL(float32) with a 95 % interval, how many windows bfloat16 is lower, and the drift estimate against the measured KL
+(Spearman, median ratio, within 1.5x) for each.
+
+    python benchmarks/results/tuning/probe-precision/compare.py [FOLDER]   # seed0/ (default) or seed1/
+"""
+import glob, json, math, os, statistics, sys
+
+import torch
+
+from klevict_cli.oracle import spearman
+
+def summary(logs: list[float]) -> str:
+    m = statistics.mean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"{math.exp(m):.3f} [{math.exp(m - half):.3f}, {math.exp(m + half):.3f}]"
+
+
+folder = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "seed0")
+pairs, est, groups = [], {"f32": [], "bf16": []}, {}
+for f32 in sorted(glob.glob(os.path.join(folder, "f32-*.json"))):
+    bf = f32.replace("/f32-", "/bf16-")
+    if not os.path.exists(bf):
+        continue
+    a, b = (json.load(open(p)) for p in (f32, bf))
+    if not (a.get("complete") and b.get("complete")):
+        continue
+    name = os.path.basename(f32)[4:-5]
+    rows = []
+    for method, by_budget in a["fidelity"]["results"].items():
+        for budget, cell in by_budget.items():
+            ka, kb = cell["per_window"]["kl"], b["fidelity"]["results"][method][budget]["per_window"]["kl"]
+            logs = [math.log(y / x) for x, y in zip(ka, kb)]
+            m = statistics.mean(logs)
+            half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+            rows.append((method, budget, math.exp(m), math.exp(m - half), math.exp(m + half),
+                         sum(y < x for x, y in zip(ka, kb)), len(ka)))
+            pairs += logs
+            groups.setdefault(name.removeprefix("moby-dick-").removeprefix("hamlet-"), []).extend(logs)  # both texts
+            for tag, cellx in (("f32", cell), ("bf16", b["fidelity"]["results"][method][budget])):
+                w = cellx["per_window"]
+                est[tag] += [(e, k) for e, k in zip(w["estimated_kl"], w["kl"]) if e is not None]
+    print(f"## {name}")
+    for method, budget, g, lo, hi, lower, n in rows:
+        print(f"  {method:15s} {budget:>4s}  bf16/f32 {g:.3f} [{lo:.3f}, {hi:.3f}]  lower {lower}/{n}")
+for group, logs in sorted(groups.items()):
+    print(f"{group}: {len(logs)} window-budgets, geometric mean bf16/f32 {summary(logs)}")
+print(f"all {len(pairs)} window-budgets: geometric mean bf16/f32 {summary(pairs)}")
+for tag, xs in est.items():
+    if xs:
+        ratios = [e / k for e, k in xs]
+        within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
+        print(f"estimate {tag}: n {len(xs)} Spearman {spearman(torch.tensor([e for e, _ in xs]), torch.tensor([k for _, k in xs])):.3f} "
+              f"median ratio {statistics.median(ratios):.2f} within 1.5x {within}/{len(xs)}")
