@@ -46,6 +46,7 @@ OPTION_TYPES: dict[str, type] = {
     "repetition_penalty": float,
     "position_mode": str,
     "probe_window": int,
+    "probe_dtype": str,
     "json": bool,
     "quiet": bool,
     "output": str,
@@ -55,6 +56,7 @@ OPTION_TYPES: dict[str, type] = {
 }
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
+    "probe_dtype": ("auto", "float32", "bfloat16", "float16"),  # PROBE_DTYPE_CHOICES, below
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 

@@ -1135,3 +1135,19 @@ def test_progress_shows_loading_consistent_counts_and_generation(doc, model, ter
     assert f"{tokens:,}/{tokens:,} tokens" in drawn  # the bar's total is the document's count, as in the summary
     assert "/?" not in drawn
     assert "generating" in drawn and f"{data['new_tokens']} tokens" in drawn
+
+
+def test_probe_dtype_is_recorded_and_checked_on_the_command_line_and_in_the_config(doc, model, tmp_path):
+    """`--probe-dtype` (and `probe_dtype:` in YAML) runs the probes at that precision and the `.kvc` says which; a
+    precision klevict does not offer is exit 2, before the model loads."""
+    out = tmp_path / "p.kvc"
+    for given, recorded in (("float32", "float32"), ("bfloat16", "bfloat16")):
+        assert_ok(invoke("compress", doc, "-o", out, "--model", model, *FAST, "--probe-dtype", given))
+        assert json_out(invoke("inspect", out, "--json"))["metadata"]["probe_dtype"] == recorded
+    config = tmp_path / "k.yaml"
+    config.write_text("probe_dtype: float16\n")
+    assert_ok(invoke("compress", doc, "-o", out, "--model", model, *FAST, "--config", str(config)))
+    assert json_out(invoke("inspect", out, "--json"))["metadata"]["probe_dtype"] == "float16"
+    assert_error(invoke("compress", doc, "-o", out, "--model", model, "--probe-dtype", "int8"), 2, "probe-dtype")
+    config.write_text("probe_dtype: int4\n")
+    assert_error(invoke("summarize", doc, "--model", model, "--config", str(config)), 2, "probe_dtype")
