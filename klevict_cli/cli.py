@@ -26,8 +26,8 @@ from klevict_cli.display import Count, TextStream, err, json_text, shown, visibl
 from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
-    DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real, load_config,
-    merge_options, parse_byte_limit, resolve_device, resolve_dtype,
+    DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
+    load_config, merge_options, parse_byte_limit, resolve_device, resolve_dtype,
 )
 from klevict_cli.reading import check_session, read_options, read_settings, session_for
 

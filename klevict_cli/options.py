@@ -54,9 +54,14 @@ OPTION_TYPES: dict[str, type] = {
     "working_limit": str,
     "reconstruct": bool,
 }
+# --probe-dtype: the forwards whose tokens are only samples of what the model may see next (look-ahead drafts, the
+# re-reading, the sampled continuation of the drift estimate) run on a copy of the model at this precision; the read
+# and every measured logit stay at the model's. auto: bfloat16 where the device computes it natively and the model is
+# float32 (docs/method.md, "Probe precision"), else the model itself.
+PROBE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
-    "probe_dtype": ("auto", "float32", "bfloat16", "float16"),  # PROBE_DTYPE_CHOICES, below
+    "probe_dtype": PROBE_DTYPE_CHOICES,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
@@ -328,13 +333,6 @@ def format_size(size: int) -> str:
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA
-
-
-# --probe-dtype: the forwards whose tokens are only samples of what the model may see next (look-ahead drafts, the
-# re-reading, the sampled continuation of the drift estimate) run on a copy of the model at this precision; the read
-# and every measured logit stay at the model's. auto: bfloat16 where the device computes it natively and the model is
-# float32 (docs/method.md, "Probe precision"), else the model itself.
-PROBE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def native_bfloat16(device) -> bool:

@@ -51,5 +51,6 @@ for tag, xs in est.items():
     if xs:
         ratios = [e / k for e, k in xs]
         within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
-        print(f"estimate {tag}: n {len(xs)} Spearman {spearman(torch.tensor([e for e, _ in xs]), torch.tensor([k for _, k in xs])):.3f} "
+        rho = spearman(torch.tensor([e for e, _ in xs]), torch.tensor([k for _, k in xs]))
+        print(f"estimate {tag}: n {len(xs)} Spearman {rho:.3f} "
               f"median ratio {statistics.median(ratios):.2f} within 1.5x {within}/{len(xs)}")
