@@ -103,7 +103,7 @@ ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last token
 ProbeDtypeOpt = Annotated[str | None, typer.Option("--probe-dtype", help="Precision of the forwards that only inform "
                                                    "the choice (drafts, re-reading, the drift's samples): auto "
                                                    "(bfloat16 where the device computes it natively, for a float32 "
-                                                   "model), float32, bfloat16, float16.")]
+                                                   "model), float32 or bfloat16.")]
 JsonOpt = Annotated[bool | None, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
 MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "

@@ -58,7 +58,9 @@ OPTION_TYPES: dict[str, type] = {
 # re-reading, the sampled continuation of the drift estimate) run on a copy of the model at this precision; the read
 # and every measured logit stay at the model's. auto: bfloat16 where the device computes it natively and the model is
 # float32 (docs/method.md, "Probe precision"), else the model itself.
-PROBE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# (no float16: its range overflows in some models' probes — Gemma-3-270M's went to NaN — where bfloat16 keeps
+# float32's range at the same cost)
+PROBE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
     "probe_dtype": PROBE_DTYPE_CHOICES,

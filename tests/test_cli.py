@@ -1145,9 +1145,9 @@ def test_probe_dtype_is_recorded_and_checked_on_the_command_line_and_in_the_conf
         assert_ok(invoke("compress", doc, "-o", out, "--model", model, *FAST, "--probe-dtype", given))
         assert json_out(invoke("inspect", out, "--json"))["metadata"]["probe_dtype"] == recorded
     config = tmp_path / "k.yaml"
-    config.write_text("probe_dtype: float16\n")
+    config.write_text("probe_dtype: float32\n")
     assert_ok(invoke("compress", doc, "-o", out, "--model", model, *FAST, "--config", str(config)))
-    assert json_out(invoke("inspect", out, "--json"))["metadata"]["probe_dtype"] == "float16"
-    assert_error(invoke("compress", doc, "-o", out, "--model", model, "--probe-dtype", "int8"), 2, "probe-dtype")
+    assert json_out(invoke("inspect", out, "--json"))["metadata"]["probe_dtype"] == "float32"
+    assert_error(invoke("compress", doc, "-o", out, "--model", model, "--probe-dtype", "float16"), 2, "probe-dtype")
     config.write_text("probe_dtype: int4\n")
     assert_error(invoke("summarize", doc, "--model", model, "--config", str(config)), 2, "probe_dtype")
