@@ -19,7 +19,7 @@ from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, Lanes, forward_context
 from klevict_cli.cache import Evicted, KVCache, LayerStack, keep_orders, mask_columns, pad_stack
-from klevict_cli.errors import ResourceError
+from klevict_cli.errors import ModelError, ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
@@ -320,6 +320,7 @@ class Engine:
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
             logits, ctx = self.forward(stream, chunk, probe_rows=rows,
                                        logits_rows=drafts.read_rows(len(chunk)) if drafts else None)
+            self.check_finite(logits)
             if must_evict:
                 if self.reconstruction is not None:  # the recent window is kept unless drafts judge it
                     self.reconstruct(stream, kept=0 if drafts else recent)
@@ -342,6 +343,15 @@ class Engine:
             stream.evicted = None
         stream.policy_state = self.policy.state()
         return logits[-1]
+
+    def check_finite(self, logits: torch.Tensor) -> None:
+        """Refuse a read whose outputs overflowed (float16's range is too small for some models, Gemma's among
+        them): every choice and answer after it would be noise, or a crash in sampling. One host sync per chunk."""
+        if not bool(torch.isfinite(logits).all()):
+            name = str(self.dtype).removeprefix("torch.")
+            hint = ": float16's range is too small for this model; use --dtype bfloat16 or float32" \
+                if self.dtype == torch.float16 else ""
+            raise ModelError(f"the model's outputs are not finite numbers in {name}{hint}")
 
     def draft_count(self, read: int) -> int:
         """How many look-ahead drafts probe the read's last eviction, once `read` tokens are read (the policy's

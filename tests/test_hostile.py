@@ -390,3 +390,25 @@ def test_a_cache_from_another_model_is_refused_in_grammatical_english(wrong, usi
     with pytest.raises(CacheFileError) as info:
         kvc._check_expected(Path("x.kvc"), metadata, {**metadata, wrong: "changed"}, using)
     assert needle in str(info.value)
+
+
+def test_a_read_whose_outputs_overflow_is_refused_with_the_dtype_to_use():
+    """A model whose activations exceed float16's range (Gemma-3-270M read with --dtype float16) gives non-finite
+    logits: the read stops with one clear error (exit 5) naming the dtypes that work, not a crash in sampling."""
+    import torch
+
+    from klevict_cli.adapter_check import adapter_for
+    from klevict_cli.engine import Engine
+    from klevict_cli.errors import ModelError
+    from klevict_cli.policies import make_policy
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=2).half()
+    with torch.no_grad():  # finite weights (at most ~86) whose MLP outputs pass float16's 65,504
+        for layer in model.model.layers:
+            for projection in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                projection.weight.mul_(1000)
+    engine = Engine(model, adapter_for(model), make_policy("kl"), 16, chunk_size=32)
+    with pytest.raises(ModelError, match="float16's range.*--dtype bfloat16 or float32") as caught:
+        engine.feed(engine.new_stream(), list(range(3, 90)))
+    assert caught.value.exit_code == 5
