@@ -587,11 +587,13 @@ class Engine:
         return stored
 
     def drafts_for_drift(self, stream: Stream, read_logits: torch.Tensor) -> Continuation | None:
-        """A continuation sampled for measuring the read's drift (`measure_drift`): DRIFT_LANES independent ones side
-        by side, token by token from the cache of the whole read — the one held before the last choice with what
-        earlier evictions set aside (`Evicted`) — with that cache's logits for them (sampled on the probe copy where
-        there is one, and then read again on the model, in one forward); none unless the engine measures drift. Never the look-ahead drafts: the choice (and the refit) is fitted to those, and their Jacobi rounds
-        start from a repeat of the last tokens read, so they copy more than the text that follows does."""
+        """A continuation sampled for measuring the read's drift (`measure_drift`): DRIFT_LANES independent
+        ones side by side, token by token from the cache of the whole read — the one held before the last
+        choice with what earlier evictions set aside (`Evicted`) — with that cache's logits for them (sampled
+        on the probe copy where there is one, and then read again on the model, in one forward); none unless
+        the engine measures drift. Never the look-ahead drafts: the choice (and the refit) is fitted to those,
+        and their Jacobi rounds start from a repeat of the last tokens read, so they copy more than the text
+        that follows does."""
         if self.drift_generator is None:
             return None
         evicted, stream.evicted = stream.evicted, None  # let go once used: the last eviction needs none of it
