@@ -345,8 +345,9 @@ class Engine:
         return logits[-1]
 
     def check_finite(self, logits: torch.Tensor) -> None:
-        """Refuse a read whose outputs overflowed (float16's range is too small for some models, Gemma's among
-        them): every choice and answer after it would be noise, or a crash in sampling. One host sync per chunk."""
+        """Refuse a read or an answer whose outputs overflowed (float16's range is too small for some models, Gemma's
+        among them): every choice and token after it would be noise, or a crash in sampling. One host sync per chunk
+        read or token decoded."""
         if not bool(torch.isfinite(logits).all()):
             name = str(self.dtype).removeprefix("torch.")
             hint = ": float16's range is too small for this model; use --dtype bfloat16 or float32" \
@@ -853,6 +854,7 @@ class Engine:
             if i == max_new_tokens - 1:
                 return  # nothing more to predict: don't pay for a forward of the last token
             logits = self.forward(stream, [token])[0][-1]
+            self.check_finite(logits)
             if limit is not None and self.held_per_head(stream) > limit + slack:
                 recent = self.recent_window(slack, limit)
                 probe_logits, ctx = self.probe_again(stream, recent if self.policy.needs_probes else 1)

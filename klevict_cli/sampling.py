@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from klevict_cli.errors import ModelError
-
 
 def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, window: int = 64) -> torch.Tensor:
     """Make the answer's last `window` tokens less likely again (positive logits divided by `penalty`, negative
@@ -27,9 +25,6 @@ def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    if not bool(torch.isfinite(logits).all()):  # overflowed (a model read in float16): no token to draw from it
-        raise ModelError("the model's outputs are not finite numbers; read in float16, use --dtype bfloat16 or"
-                         " float32")
     if temperature <= 0:
         return int(logits.argmax())
     probs = (logits.float().cpu() / temperature).softmax(dim=-1)
