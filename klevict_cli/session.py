@@ -261,8 +261,8 @@ class Session:
         fail up front, not after an hour."""
         model = self.lm.model
         copy = self.probe_copy_dtype(probe_dtype)
-        itemsize = next(model.parameters()).element_size() + (copy.itemsize if copy is not None else 0)
-        weights = sum(p.numel() for p in model.parameters()) * itemsize
+        weights = sum(p.numel() * (p.element_size() + (copy.itemsize if copy is not None else 0))
+                      for p in model.parameters())
         shapes = self.adapter.layer_shapes()
         cache = (kept + chunk) * self.bytes_per_token()
         cfg = model.config
