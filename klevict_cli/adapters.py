@@ -72,7 +72,7 @@ class ModelAdapter:
         self.base = self._base(model)
         self.layers = list(self._layers(self.base))
         self.attentions = [self._attention(layer) for layer in self.layers]
-        self._stacked_projections: dict[tuple[int, ...], torch.Tensor] = {}
+        self._stacked_projections: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     # ---- where things are ---------------------------------------------------------------------------------
     def _base(self, model: nn.Module) -> nn.Module:
@@ -129,9 +129,10 @@ class ModelAdapter:
         return rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
 
     def rerotate(self, keys: torch.Tensor, delta: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Move post-RoPE keys (the rotary slot's tensor, (H, C, D)) by `delta` positions (per entry). Exact for any
-        RoPE whose variants only change the frequencies (plain, linear, llama3, YaRN): a rotation by p followed by
-        one by delta is one by p + delta; the magnitude factor was applied once, at p, and is not applied again."""
+        """Move post-RoPE keys (the rotary slot's tensor, (H, C, D)) by `delta` positions (per entry, or one for all:
+        any shape that broadcasts to (H, C)). Exact for any RoPE whose variants only change the frequencies (plain,
+        linear, llama3, YaRN): a rotation by p followed by one by delta is one by p + delta; the magnitude factor was
+        applied once, at p, and is not applied again."""
         inv_freq, _ = self.inv_freq(layer_idx)
         # float32 is enough: after the first compaction, deltas are at most a chunk or two.
         angles = delta.to(torch.float32)[..., None] * inv_freq.to(device=keys.device, dtype=torch.float32)
@@ -147,7 +148,8 @@ class ModelAdapter:
         without rotary positions."""
         if not self.can_rerotate:
             return query.float()
-        return self.rerotate(query.float(), torch.full(query.shape[:-1], float(delta), device=query.device), layer_idx)
+        # one distance for every query: one angle per frequency, broadcast (not one per query, head and frequency)
+        return self.rerotate(query.float(), torch.tensor(float(delta), device=query.device), layer_idx)
 
     def rerotate_layer(self, layer, delta: torch.Tensor, layer_idx: int) -> None:
         """Re-rotate a `LayerCache`'s entries in place by `delta` (H, C) positions."""
@@ -176,18 +178,28 @@ class ModelAdapter:
         """The module (or `Projection`) whose `.weight` is W_O as a (d_model, Hq·Dv) matrix."""
         return self.attentions[layer_idx].o_proj
 
-    def output_projections(self, layer_ids: list[int]) -> torch.Tensor:
-        """These layers' W_O stacked, (L, d_model, Hq·Dv) in float32, built once per set of layers: the KL scoring
-        maps its readout through every layer in one product."""
-        key = tuple(layer_ids)
+    def output_projections(self, layer_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """These layers' W_O stacked, (L, d_model, Hq·Dv) in `dtype`, built once per set of layers and dtype: the KL
+        scoring maps its readout through every layer in one product."""
+        key = (tuple(layer_ids), dtype)
         if key not in self._stacked_projections:
-            self._stacked_projections[key] = torch.stack([self.output_projection(i).weight.float() for i in key])
+            self._stacked_projections[key] = torch.stack([self.output_projection(i).weight.to(dtype)
+                                                          for i in layer_ids])
         return self._stacked_projections[key]
+
+    def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The final logits from the output head's (`final_logit_softcapping`'s cap·tanh(z/cap) where the config
+        asks for it, as Gemma's does)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return raw if not cap else cap * torch.tanh(raw / cap)
 
     def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Per token, d(final logit)/d(raw logit) at `logits` (the final logits, after any soft-capping); None when
         the logits are the unembedding's output unchanged."""
-        return None
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if not cap:
+            return None
+        return 1.0 - (logits.double() / cap).clamp(-1.0, 1.0).square()  # 1 - tanh²(raw/cap)
 
     def post_attention_norm(self, layer_idx: int) -> nn.Module | None:
         """The norm a layer applies to its attention output before adding it to the residual stream (Gemma 2/3,
@@ -218,8 +230,8 @@ class ModelAdapter:
 class Gemma3Adapter(ModelAdapter):
     """Gemma 3 (text): MQA/GQA + RoPE like Llama; sliding layers (from `layer_types`) use the local RoPE base,
     global layers the global one; the (1+γ) RMSNorm and the embedding scale live inside the modules. The attention
-    output is normalised (`post_attention_layernorm`) before the residual add. Optional final logit soft-capping
-    `cap·tanh(z/cap)`."""
+    output is normalised (`post_attention_layernorm`) before the residual add. Its optional final logit soft-capping
+    `cap·tanh(z/cap)` is the base class's (`finish_logits`)."""
 
     def inv_freq(self, layer_idx: int) -> tuple[torch.Tensor, float]:
         rotary, kind = self.rotary_embedding, self.layer_types()[layer_idx]
@@ -228,11 +240,11 @@ class Gemma3Adapter(ModelAdapter):
     def post_attention_norm(self, layer_idx: int) -> nn.Module:
         return self.layers[layer_idx].post_attention_layernorm
 
-    def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
+    def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The final logits from the output head's (`final_logit_softcapping`'s cap·tanh(z/cap) where the config
+        asks for it, as Gemma's does)."""
         cap = getattr(self.config, "final_logit_softcapping", None)
-        if not cap:
-            return None
-        return 1.0 - (logits.double() / cap).clamp(-1.0, 1.0).square()  # 1 - tanh²(raw/cap)
+        return raw if not cap else cap * torch.tanh(raw / cap)
 
 
 class GPT2Adapter(ModelAdapter):

@@ -86,6 +86,10 @@ class ForwardContext:
     # own tokens are told apart from the cache (Engine.forward sets both)
     positions: torch.Tensor | None = None
     lanes: Lanes | None = None  # the forward's tokens continue independent lanes (true positions in `positions`)
+    # of the logits rows asked for, the first `sampled_rows` only feed sampling: the model's output head computes the
+    # last row alone, and their inputs are kept here for the probe copy's head (Engine.forward)
+    sampled_rows: int = 0
+    sampled_inputs: torch.Tensor | None = None  # (sampled_rows, d) the output head's inputs at those rows
 
     def allowed(self, layer, query_positions: torch.Tensor, visible: torch.Tensor,
                 columns: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,6 +299,24 @@ def install_residual_hook(final_norm) -> None:
     if not getattr(final_norm, "_klevict_hooked", False):
         final_norm.register_forward_pre_hook(_capture_residual)
         final_norm._klevict_hooked = True
+
+
+def _divert_sampled_rows(module, args):
+    ctx = _current.get()
+    if ctx is None or not ctx.sampled_rows:
+        return None
+    hidden = args[0]
+    ctx.sampled_inputs = hidden[0, -ctx.sampled_rows - 1 : -1].detach()
+    return (hidden[:, -1:],) + args[1:]
+
+
+def install_head_hook(output_head) -> None:
+    """Let the model's output head compute only the last of the logits rows asked for when the others only feed
+    sampling (ForwardContext.sampled_rows), and keep those rows' inputs; installed once per model. Taken at the
+    head's input, after whatever the family puts between the final norm and it."""
+    if not getattr(output_head, "_klevict_hooked", False):
+        output_head.register_forward_pre_hook(_divert_sampled_rows)
+        output_head._klevict_hooked = True
 
 
 AttentionInterface.register(ATTENTION_NAME, klevict_attention)

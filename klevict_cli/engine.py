@@ -24,7 +24,7 @@ from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, hea
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
 from klevict_cli.quantized import stored_cache
-from klevict_cli.sampling import penalise_repeats, sample
+from klevict_cli.sampling import penalise_repeats, sample, sample_rows
 from klevict_cli.tolerance import smallest_within
 from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
@@ -188,11 +188,13 @@ class Engine:
         evicted_bytes: int = EVICTED_BYTES,
         drift_points: tuple[tuple[int, float], ...] | None = None,
         probe_model: Callable[[], PreTrainedModel | None] | None = None,
+        score_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
         # the probing forwards (drafts, a re-reading, the drift's samples) run on the copy this gives, at a cheaper
         # precision, where it gives one (Session.probe_model; asked when a probing forward first runs)
         self.probe_source = probe_model
+        self.score_dtype = score_dtype  # the scoring's large products' precision (EvictionStep.score_dtype)
         self.adapter = adapter
         self.policy = policy
         self.budget = budget if policy.evicts else None
@@ -233,10 +235,12 @@ class Engine:
 
     @staticmethod
     def ready(model: PreTrainedModel, final_norm: torch.nn.Module) -> None:
-        """Make `model` attend with klevict's attention and record its final residuals at the probes."""
+        """Make `model` attend with klevict's attention, record its final residuals at the probes, and leave the
+        rows only sampled from to the probe copy's head."""
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.ATTENTION_NAME)
         attention.install_residual_hook(final_norm)
+        attention.install_head_hook(model.get_output_embeddings())
 
     @functools.cached_property
     def probe_model(self) -> PreTrainedModel | None:
@@ -265,7 +269,7 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        rope_start: int | None = None, lanes: Lanes | None = None, measuring: bool = False,
+        rope_start: int | None = None, lanes: Lanes | None = None, measuring: bool = False, sampled_rows: int = 0,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
@@ -274,7 +278,9 @@ class Engine:
         tokens' first rotary position, if not the stream's next (`place`). `lanes`: the tokens continue independent
         lanes (attention.Lanes) begun at or before this forward. Probing forwards run on the probe copy, if any, unless
         `measuring`: their logits are a measurement (the drift's), taken on the model itself. Returns the logits of
-        the last `logits_rows` tokens (default: max(1, probe_rows))."""
+        the last `logits_rows` tokens (default: max(1, probe_rows)); with `sampled_rows`, all but the last of them
+        only feed sampling (the drafts') and come from the probe copy's output head, if any (at 300 tokens the
+        model's float32 head over 63 rows was 6 % of the read)."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
         start = stream.next_rope if rope_start is None else rope_start
@@ -286,7 +292,7 @@ class Engine:
         stream.cache.begin(positions, rope, read_as)
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
                              probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
-                             lanes=lanes)
+                             lanes=lanes, sampled_rows=min(sampled_rows, (logits_rows or 1) - 1, t - 1))
         with forward_context(ctx):
             out = run_with_cache(
                 model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
@@ -295,7 +301,16 @@ class Engine:
         stream.tokens.extend(ids)
         stream.next_rope += t
         logits = out.logits[0]
-        return logits.to(torch.promote_types(logits.dtype, torch.float32)), ctx
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if ctx.sampled_inputs is not None:
+            logits = torch.cat((self.sampled_logits(ctx.sampled_inputs).to(logits.dtype), logits))
+        return logits, ctx
+
+    def sampled_logits(self, head_inputs: torch.Tensor) -> torch.Tensor:
+        """Logits only sampled from (`forward`'s `sampled_rows`): the probe copy's output head, if any, on the
+        model's own inputs to it."""
+        head = (self.probe_model or self.model).get_output_embeddings()
+        return self.adapter.finish_logits(head(head_inputs.to(head.weight.dtype))).float()
 
     # ---- reading with eviction -----------------------------------------------------------------------------
     def feed(
@@ -318,8 +333,9 @@ class Engine:
             drafts = Drafts(count, self.policy.draft_rounds(self.reconstruction is not None, read, count),
                             self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
-            logits, ctx = self.forward(stream, chunk, probe_rows=rows,
-                                       logits_rows=drafts.read_rows(len(chunk)) if drafts else None)
+            sampled = drafts.read_rows(len(chunk)) - 1 if drafts else 0  # the drafts' rows before the last
+            logits, ctx = self.forward(stream, chunk, probe_rows=rows, logits_rows=sampled + 1 if drafts else None,
+                                       sampled_rows=sampled)
             self.check_finite(logits)
             if must_evict:
                 if self.reconstruction is not None:  # the recent window is kept unless drafts judge it
@@ -419,6 +435,7 @@ class Engine:
             read_end=read_end,
             kept_fraction=self.kept_fraction(read_end, budget),
             budget=budget,
+            score_dtype=self.score_dtype,
             sinks=sink_count(budget) if budget is not None else 0,
             recent=range(read_end - min(recent, read_end), read_end),
             backward=lambda samples, live, rows=w: head_output_gradients(
@@ -608,7 +625,7 @@ class Engine:
         tokens, rows = [], []
         logits = read_logits.reshape(-1, read_logits.shape[-1])[-1:].expand(DRIFT_LANES, -1)
         for _ in range(steps):
-            step = [sample(row, DRIFT_TEMPERATURE, 1.0, self.drift_generator) for row in logits]
+            step = sample_rows(logits / DRIFT_TEMPERATURE, self.drift_generator)  # one token per lane
             logits, _ = self.forward(reference, step, logits_rows=DRIFT_LANES, probing=True, lanes=lanes)
             tokens += step
             rows.append(logits)

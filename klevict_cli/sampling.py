@@ -16,12 +16,13 @@ def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, 
 
 
 def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """One token from each row's distribution (temperature 1), by the Gumbel-max trick: the argmax of the logits plus
-    independent Gumbel noise is a sample of their softmax. A third of the time of `torch.multinomial` on the CPU for
-    the draft's 64 rows over a 49k vocabulary (25 ms instead of 79 ms)."""
-    uniform = torch.rand(logits.shape, generator=generator, device=generator.device)
-    noise = uniform.log_().neg_().log_()  # log(-log u) = -g for Gumbel noise g
-    return (logits.float().to(noise.device) - noise).argmax(dim=-1).tolist()
+    """One token from each row's distribution (temperature 1), by inverting each row's cumulative distribution at
+    one uniform draw: two passes over the logits and one random number per row. `torch.multinomial` took 79 ms on
+    the CPU for the drafts' 64 rows over a 49k vocabulary, Gumbel-max (a random number per logit) 15 ms, this 2 ms."""
+    cdf = logits.float().softmax(dim=-1).cumsum_(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=generator.device).to(cdf.device) * cdf[:, -1:]
+    # the first token whose cumulative probability exceeds u: never one of probability 0
+    return torch.searchsorted(cdf, u, right=True).clamp_max_(cdf.shape[-1] - 1)[:, 0].tolist()
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -158,6 +158,7 @@ class Session:
             measure_drift=settings.measure_drift, max_kl=settings.max_kl, drift_points=self.drift_points,
             storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
             probe_model=functools.partial(self.probe_model, settings.probe_dtype),
+            score_dtype=self.probe_copy_dtype(settings.probe_dtype) or torch.float32,  # the probes' precision
         )
         if settings.max_memory is not None and engine.budget is not None:  # what is evicted is set aside within it
             engine.evicted_bytes = max(0, settings.max_memory - self.estimate_peak_bytes(

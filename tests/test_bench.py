@@ -161,7 +161,7 @@ def test_bench_measures_tolerances_beside_budgets(session, document):
 
 def test_bench_measures_each_stored_dtype_of_the_same_read(session, document):
     """--cache-dtype: one read per budget, measured as each dtype stores it (a row per method and dtype); float32 is
-    the read itself, and fewer bits take fewer bytes and move the model further."""
+    the read itself, fewer bits take fewer bytes, and int4's rounding moves the model more than int8's."""
     base = {**SETTINGS, "methods": ["kl"], "budgets": ["50%"], "task": "fidelity", "windows": 1}
     plain = run_bench(session, document, BenchSettings(**base))["fidelity"]["results"]["kl"]["50%"]["per_window"]
     rows = run_bench(session, document, BenchSettings(**base, cache_dtypes=["float32", "int8", "int4"]))
@@ -171,7 +171,8 @@ def test_bench_measures_each_stored_dtype_of_the_same_read(session, document):
     assert f32["kl"] == pytest.approx(plain["kl"], abs=1e-7)
     assert f32["cache_bytes"][0] > 2.5 * i8["cache_bytes"][0] > 0 and i8["cache_bytes"][0] > i4["cache_bytes"][0]
     assert f32["kept_entries"] == i8["kept_entries"] == i4["kept_entries"]
-    assert f32["kl"][0] <= i8["kl"][0] < i4["kl"][0]
+    # the rounding is noise about float32's choice (either side of it by chance), int4's coarser than int8's
+    assert f32["kl"][0] != i8["kl"][0] and abs(i4["kl"][0] - f32["kl"][0]) > abs(i8["kl"][0] - f32["kl"][0])
     assert (f32["cache_dtype"], i4["cache_dtype"]) == (["float32"], ["int4"])
 
 

@@ -408,6 +408,10 @@ def test_rerotation_moves_keys_to_where_the_model_puts_them(family):
         assert not torch.allclose(getattr(at_0, adapter.rotary_slot), getattr(at_700, adapter.rotary_slot))
         assert torch.allclose(moved.keys, at_700.keys, atol=1e-4), (name, idx)
         assert torch.allclose(moved.values, at_700.values, atol=1e-4), (name, idx)
+        # one distance for every entry (as the copy estimate moves its queries): the same rotation, broadcast
+        slot = adapter.rotary_slot
+        assert torch.allclose(adapter64.rerotate(getattr(at_0, slot), torch.tensor(700.0), idx), getattr(at_700, slot),
+                              atol=1e-4), (name, idx)
 
 
 UNKNOWN = dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -617,6 +621,25 @@ def test_every_policy_evicts_while_reading_and_decoding(family):
         assert len(tokens) == 12
         if engine.budget is not None:
             assert engine.held_per_head(stream) <= 12 + 2 + 4 + 1, method
+
+
+def test_rows_only_sampled_from_are_the_models_logits_through_the_probe_copys_head(family):
+    """A read's logits rows that only feed the drafts' sampling (`sampled_rows`) are taken at the output head's input
+    (whatever the family puts before it) and finished as the model finishes them (Gemma's soft-capping): on the
+    model's own head they are its logits, on a bfloat16 copy's within its rounding; the last row is the model's."""
+    _, model, adapter = family
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    copy = probe_copy(model, torch.bfloat16)
+    rows = []
+    for probe_model, sampled in ((None, 0), (None, 7), (lambda: copy, 7)):
+        engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=24, probe_model=probe_model)
+        rows.append(engine.forward(engine.new_stream(), ids, logits_rows=8, sampled_rows=sampled)[0])
+    plain, own_head, copys_head = rows
+    assert plain.shape == own_head.shape == copys_head.shape == (8, model.config.vocab_size)
+    torch.testing.assert_close(own_head, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(copys_head[-1], plain[-1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(copys_head[:-1], plain[:-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(copys_head, plain, rtol=0.05, atol=0.05)
 
 
 def test_probes_on_a_bfloat16_copy_read_every_family(family):

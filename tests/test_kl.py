@@ -58,6 +58,20 @@ def test_kl_kernel_matches_a_brute_force_loop(fold_probes, block_bytes):
             assert got[g, j].item() == pytest.approx(total, rel=1e-9)
 
 
+@pytest.mark.parametrize("block_bytes", [None, 4096])
+def test_the_kl_kernel_at_bfloat16_gives_float32_scores_that_rank_as_float32s_do(block_bytes):
+    """bfloat16 readouts and values (the probes' precision) run the products at bfloat16 and the rest at float32."""
+    torch.manual_seed(2)
+    hq, hkv, w, c, d, r = 8, 2, 16, 200, 32, 4
+    weights = torch.rand(hq, w, c).pow(4).softmax(-1)
+    outputs, values, readout = torch.randn(hq, w, d), torch.randn(hkv, c, d), torch.randn(w, r, hq, d)
+    exact = kl_scores(weights, outputs, values, readout, hkv, block_bytes=block_bytes)
+    low = kl_scores(weights, outputs, values.bfloat16(), readout.bfloat16(), hkv, block_bytes=block_bytes)
+    assert low.dtype == torch.float32
+    assert float(((low - exact).abs() / exact).median()) < 0.01
+    assert spearman(low.flatten(), exact.flatten()) > 0.999
+
+
 @pytest.fixture(scope="module")
 def probed():
     """A tiny model that has read 64 tokens, then 32 more with the last 16 recorded as probes."""

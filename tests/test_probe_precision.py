@@ -65,7 +65,8 @@ def read(probe_dtype: torch.dtype | None, method: str = "kl", budget: int | None
     policy = make_policy(method)
     source = Reconstruction([1, 2], [3], [4], span=32) if reread or policy.reconstruction == "required" else None
     engine = Engine(model, adapter_for(model), policy, budget, chunk_size=CHUNK, reconstruction=source,
-                    measure_drift=measure, probe_model=copy if probe_dtype is not None else None)
+                    measure_drift=measure, probe_model=copy if probe_dtype is not None else None,
+                    score_dtype=probe_dtype or torch.float32)  # as Session.engine
     stream = engine.new_stream()
     last = engine.feed(stream, ids[:context])
     return engine, stream, last, ids, copies
@@ -137,3 +138,22 @@ def test_a_read_that_never_probes_makes_no_copy():
                     probe_model=functools.partial(asked.append, "asked"))
     engine.feed(engine.new_stream(), list(range(3, 150)))
     assert asked == []
+
+
+@pytest.mark.parametrize("probe_dtype, scored_at", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_a_session_scores_at_its_probes_precision(monkeypatch, probe_dtype, scored_at):
+    """kl's scoring products (the readout through W_O, kl_scores' product) run at the probes' precision; the scores
+    themselves stay float32."""
+    from klevict_cli.policies import kl as kl_policy
+    from klevict_cli.session import ReadSettings
+    from tests.conftest import tiny_session
+
+    session = tiny_session()
+    seen = []
+    scores = kl_policy.kl_scores
+    monkeypatch.setattr(kl_policy, "kl_scores", lambda *args, **kwargs: seen.append(
+        (args[3].dtype, scores(*args, **kwargs))) or seen[-1][1])
+    engine = session.engine("kl", 20, ReadSettings(budget=None, probe_dtype=probe_dtype), "original")
+    assert engine.score_dtype == scored_at
+    engine.feed(engine.new_stream(), list(range(3, 150)))
+    assert seen and all(dtype == scored_at and got.dtype == torch.float32 for dtype, got in seen)

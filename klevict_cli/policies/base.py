@@ -40,6 +40,8 @@ class EvictionStep:
     # tokens read): part of the budget the policy's choice does not decide (Engine._keep_best)
     sinks: int = 0
     recent: range = range(0)
+    # the precision of the scoring's large products: the probes' (the probe copy's dtype, `--probe-dtype`)
+    score_dtype: torch.dtype = torch.float32
     # (S samples, live probes[, the last R probes only]) -> per layer (W or R, S, Hq, Dv) gradients (fisher.py)
     backward: Callable[..., dict[int, torch.Tensor]] | None = None
     # () -> per layer (W,) ‖∂Φ/∂a‖, KVgrad's sensitivity of the probes' final residuals (klevict_cli/fisher.py)

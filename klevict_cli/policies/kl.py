@@ -298,14 +298,15 @@ class KL(Policy):
         factors = direct_readout(step.residuals, step.logits, adapter.final_norm, adapter.unembedding.weight,
                                  self.top_k, self.rank,
                                  jacobian_scale=adapter.logit_jacobian_scale(step.logits))
+        dtype = step.score_dtype
         if stackable(step, layer_ids) and all(adapter.post_attention_norm(i) is None for i in layer_ids):
-            readout = to_head_space(factors, adapter.output_projections(layer_ids), step.probes[layer_ids[0]]
-                                    .output.shape[0])  # (W, R, L·Hq, Dv): every layer's in one product
+            readout = to_head_space(factors.to(dtype), adapter.output_projections(layer_ids, dtype),
+                                    step.probes[layer_ids[0]].output.shape[0])  # (W, R, L·Hq, Dv): every layer's at once
             return self.stacked_entry_scores(step, layer_ids, readout)
         out = {}
         for i in layer_ids:
-            readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output),
-                                    adapter.output_projection(i).weight, step.probes[i].output.shape[0])
+            readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output).to(dtype),
+                                    adapter.output_projections([i], dtype)[0], step.probes[i].output.shape[0])
             out[i] = self.entry_scores(step, i, readout)
         return out
 
@@ -322,7 +323,8 @@ class KL(Policy):
         device = probes[0].weights.device
         per_layer = hq * w * readout.shape[1] * width * readout.element_size()
         size = max(1, STACKED_WORK_BYTES[device.type == "cuda"] // per_layer)
-        scores = torch.zeros(len(layer_ids), kv, width, dtype=readout.dtype, device=device)
+        scores = torch.zeros(len(layer_ids), kv, width, dtype=torch.promote_types(readout.dtype, torch.float32),
+                             device=device)
         for lo in range(0, len(layer_ids), size):
             group = range(lo, min(lo + size, len(layer_ids)))
             n = len(group)
@@ -349,9 +351,8 @@ class KL(Policy):
         scale = math.sqrt(self.samples)
         if stackable(step, layer_ids):
             readout = torch.cat([grads[i] for i in layer_ids], dim=2)  # (W, S, L·Hq, Dv)
-            return self.stacked_entry_scores(step, layer_ids, readout.to(step.probes[layer_ids[0]].output.dtype)
-                                             / scale, fold_probes=live)
-        return {i: self.entry_scores(step, i, grads[i].to(step.probes[i].output.dtype) / scale, fold_probes=live)
+            return self.stacked_entry_scores(step, layer_ids, (readout / scale).to(step.score_dtype), fold_probes=live)
+        return {i: self.entry_scores(step, i, (grads[i] / scale).to(step.score_dtype), fold_probes=live)
                 for i in layer_ids}
 
 
