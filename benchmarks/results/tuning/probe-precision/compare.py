@@ -4,6 +4,10 @@ KL(float32) with a 95 % interval, how many windows bfloat16 is lower, and the dr
 (Spearman, median ratio, within 1.5x) for each.
 
     python benchmarks/results/tuning/probe-precision/compare.py [FOLDER]   # seed0/ (default) or seed1/
+    python benchmarks/results/tuning/probe-precision/compare.py NEW OLD --tag f32   # NEW's f32-* over OLD's f32-*
+
+With two folders, the same-named files of one precision (`--tag`) are paired instead: the second folder's in the
+place of float32 (how a change of code moved the reads, e.g. scoring/seed0 against seed0).
 """
 import glob, json, math, os, statistics, sys
 
@@ -17,16 +21,22 @@ def summary(logs: list[float]) -> str:
     return f"{math.exp(m):.3f} [{math.exp(m - half):.3f}, {math.exp(m + half):.3f}]"
 
 
-folder = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "seed0")
+args = [a for a in sys.argv[1:] if not a.startswith("--tag")]
+tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv else None
+args = [a for a in args if a != tag]
+folder = args[0] if args else os.path.join(os.path.dirname(__file__), "seed0")
+baseline = args[1] if len(args) > 1 else None
 pairs, est, groups = [], {"f32": [], "bf16": []}, {}
-for f32 in sorted(glob.glob(os.path.join(folder, "f32-*.json"))):
-    bf = f32.replace("/f32-", "/bf16-")
+label = "new/old" if baseline else "bf16/f32"
+names = {"f32": "old", "bf16": "new"} if baseline else {"f32": "f32", "bf16": "bf16"}
+for f32 in sorted(glob.glob(os.path.join(baseline or folder, f"{tag or 'f32'}-*.json"))):
+    bf = os.path.join(folder, os.path.basename(f32)) if baseline else f32.replace("/f32-", "/bf16-")
     if not os.path.exists(bf):
         continue
     a, b = (json.load(open(p)) for p in (f32, bf))
     if not (a.get("complete") and b.get("complete")):
         continue
-    name = os.path.basename(f32)[4:-5]
+    name = os.path.basename(f32).split("-", 1)[1][:-5]
     rows = []
     for method, by_budget in a["fidelity"]["results"].items():
         for budget, cell in by_budget.items():
@@ -38,19 +48,19 @@ for f32 in sorted(glob.glob(os.path.join(folder, "f32-*.json"))):
                          sum(y < x for x, y in zip(ka, kb)), len(ka)))
             pairs += logs
             groups.setdefault(name.removeprefix("moby-dick-").removeprefix("hamlet-"), []).extend(logs)  # both texts
-            for tag, cellx in (("f32", cell), ("bf16", b["fidelity"]["results"][method][budget])):
+            for which, cellx in (("f32", cell), ("bf16", b["fidelity"]["results"][method][budget])):
                 w = cellx["per_window"]
-                est[tag] += [(e, k) for e, k in zip(w["estimated_kl"], w["kl"]) if e is not None]
+                est[which] += [(e, k) for e, k in zip(w["estimated_kl"], w["kl"]) if e is not None]
     print(f"## {name}")
     for method, budget, g, lo, hi, lower, n in rows:
-        print(f"  {method:15s} {budget:>4s}  bf16/f32 {g:.3f} [{lo:.3f}, {hi:.3f}]  lower {lower}/{n}")
+        print(f"  {method:15s} {budget:>4s}  {label} {g:.3f} [{lo:.3f}, {hi:.3f}]  lower {lower}/{n}")
 for group, logs in sorted(groups.items()):
-    print(f"{group}: {len(logs)} window-budgets, geometric mean bf16/f32 {summary(logs)}")
-print(f"all {len(pairs)} window-budgets: geometric mean bf16/f32 {summary(pairs)}")
-for tag, xs in est.items():
+    print(f"{group}: {len(logs)} window-budgets, geometric mean {label} {summary(logs)}")
+print(f"all {len(pairs)} window-budgets: geometric mean {label} {summary(pairs)}")
+for which, xs in est.items():
     if xs:
         ratios = [e / k for e, k in xs]
         within = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
         rho = spearman(torch.tensor([e for e, _ in xs]), torch.tensor([k for _, k in xs]))
-        print(f"estimate {tag}: n {len(xs)} Spearman {rho:.3f} "
+        print(f"estimate {names[which]}: n {len(xs)} Spearman {rho:.3f} "
               f"median ratio {statistics.median(ratios):.2f} within 1.5x {within}/{len(xs)}")
