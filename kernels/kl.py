@@ -58,12 +58,18 @@ def kl_scores(
     value_heads = values.shape[0]  # H_kv, or Hq when the values are already per query head
     e_ext = torch.cat((e, e_o[..., None]), dim=-1).reshape(value_heads, hq // value_heads * w * r, -1)
     v_ext = torch.cat((-values.to(dtype).transpose(1, 2), values.new_ones(value_heads, 1, c, dtype=dtype)), dim=1)
-    work = torch.promote_types(dtype, torch.float32)  # the work tensor's dtype
-    block = c if block_bytes is None else max(1, block_bytes // (hq * w * r * work.itemsize))
+    block = c if block_bytes is None else max(1, block_bytes // (hq * w * r * work_bytes(dtype)))
     if block >= c:
         return _block_scores(e_ext, v_ext, weights, kv_heads, clamp, fold_probes)
     return torch.cat([_block_scores(e_ext, v_ext[..., lo : lo + block], weights[..., lo : lo + block], kv_heads,
                                     clamp, fold_probes) for lo in range(0, c, block)], dim=-1)
+
+
+def work_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of kl_scores' work tensor for products at `dtype`: the product's output and, below float32,
+    the float32 copy the rest is computed on (both live at once)."""
+    work = torch.promote_types(dtype, torch.float32)
+    return work.itemsize + (dtype.itemsize if work != dtype else 0)
 
 
 def _block_scores(e_ext: torch.Tensor, v_ext: torch.Tensor, weights: torch.Tensor, kv_heads: int, clamp: float,

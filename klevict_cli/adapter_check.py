@@ -33,7 +33,8 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
 
 def self_check(model: nn.Module, adapter: ModelAdapter) -> None:
     """Raise ModelError unless the Llama-style `adapter` fits `model`, on 16 tokens: read in two chunks through
-    klevict's cache and attention they give the model's own (eager) logits; read 16 positions later, their keys are
+    klevict's cache and attention they give the model's own (eager) logits, as do logits finished from its output
+    head's (`Engine.sampled_logits`); read 16 positions later, their keys are
     the re-rotated ones (`compact` mode); and a change of an attention output moves the logits exactly as the same
     change of the residual stream does — what the direct KL path assumes (a norm in between breaks it)."""
     param = next(model.parameters())
@@ -54,6 +55,10 @@ def self_check(model: nn.Module, adapter: ModelAdapter) -> None:
             stream.next_rope = offset
             engine.feed(stream, ids[0, :half].tolist())
             streams.append((stream, engine.forward(stream, ids[0, half:].tolist(), logits_rows=half)[0].float()))
+        # rows only sampled from are finished by klevict from the head's output (the model stands in for its copy)
+        diverted = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=SELF_CHECK_TOKENS,
+                          probe_model=lambda: model)
+        sampled = diverted.forward(diverted.new_stream(), ids[0].tolist(), logits_rows=half, sampled=True)[0].float()
     finally:
         model.set_attn_implementation(previous)
     if not _close(streams[0][1], own[half:], tolerance):
@@ -67,6 +72,8 @@ def self_check(model: nn.Module, adapter: ModelAdapter) -> None:
         slot = adapter.rotary_slot
         if not _close(getattr(moved, slot).float(), getattr(later, slot).float(), tolerance):
             raise ModelError("its keys' positions cannot be moved the way Llama's are (re-rotation)")
+    if not _close(sampled, own[half:], tolerance):
+        raise ModelError("its logits are not its output head's as klevict finishes them (a transform after the head)")
 
 
 def _own_logits_after_a_change(model: nn.Module, adapter: ModelAdapter, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -240,12 +240,6 @@ class Gemma3Adapter(ModelAdapter):
     def post_attention_norm(self, layer_idx: int) -> nn.Module:
         return self.layers[layer_idx].post_attention_layernorm
 
-    def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
-        """The final logits from the output head's (`final_logit_softcapping`'s cap·tanh(z/cap) where the config
-        asks for it, as Gemma's does)."""
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return raw if not cap else cap * torch.tanh(raw / cap)
-
 
 class GPT2Adapter(ModelAdapter):
     """GPT-2: MHA with learned absolute positions (nothing to re-rotate); Conv1D projections store (in, out)."""

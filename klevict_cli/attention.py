@@ -86,8 +86,8 @@ class ForwardContext:
     # own tokens are told apart from the cache (Engine.forward sets both)
     positions: torch.Tensor | None = None
     lanes: Lanes | None = None  # the forward's tokens continue independent lanes (true positions in `positions`)
-    # of the logits rows asked for, the first `sampled_rows` only feed sampling: the model's output head computes the
-    # last row alone, and their inputs are kept here for the probe copy's head (Engine.forward)
+    # the first `sampled_rows` of the logits rows asked for (all but the last) only feed sampling: the model's output
+    # head computes the last row alone, and their inputs are kept here for the probe copy's head (Engine.forward)
     sampled_rows: int = 0
     sampled_inputs: torch.Tensor | None = None  # (sampled_rows, d) the output head's inputs at those rows
 

@@ -269,7 +269,7 @@ class Engine:
     def forward(
         self, stream: Stream, ids: list[int], probe_rows: int = 0, logits_rows: int | None = None,
         probe_entries: Callable | None = None, attend_entries: Callable | None = None, probing: bool = False,
-        rope_start: int | None = None, lanes: Lanes | None = None, measuring: bool = False, sampled_rows: int = 0,
+        rope_start: int | None = None, lanes: Lanes | None = None, measuring: bool = False, sampled: bool = False,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Run `ids` at the stream's next positions, recording probe statistics for the last `probe_rows` tokens
         (their attention to the entries `probe_entries(layer)` marks, when given). With `attend_entries`, the tokens
@@ -278,8 +278,8 @@ class Engine:
         tokens' first rotary position, if not the stream's next (`place`). `lanes`: the tokens continue independent
         lanes (attention.Lanes) begun at or before this forward. Probing forwards run on the probe copy, if any, unless
         `measuring`: their logits are a measurement (the drift's), taken on the model itself. Returns the logits of
-        the last `logits_rows` tokens (default: max(1, probe_rows)); with `sampled_rows`, all but the last of them
-        only feed sampling (the drafts') and come from the probe copy's output head, if any (at 300 tokens the
+        the last `logits_rows` tokens (default: max(1, probe_rows)); `sampled`: all but the last of them only feed
+        sampling (the drafts'), and where there is a probe copy they come from its output head (at 300 tokens the
         model's float32 head over 63 rows was 6 % of the read)."""
         t = len(ids)
         positions = torch.arange(stream.next_position, stream.next_position + t, device=self.device)
@@ -290,13 +290,15 @@ class Engine:
         # from the cache (MLA) reads it at the copy's dtype
         read_as = self.probe_dtype if model is not self.model and self.adapter.computes_on_cache else None
         stream.cache.begin(positions, rope, read_as)
+        rows = logits_rows or max(1, probe_rows)
+        cheap_head = sampled and self.probe_model is not None
         ctx = ForwardContext(stream.cache, rope, probe_rows=probe_rows, observer=None if probing else self.observer,
                              probe_entries=probe_entries, attend_entries=attend_entries, positions=positions,
-                             lanes=lanes, sampled_rows=min(sampled_rows, (logits_rows or 1) - 1, t - 1))
+                             lanes=lanes, sampled_rows=min(rows, t) - 1 if cheap_head else 0)
         with forward_context(ctx):
             out = run_with_cache(
                 model, stream.cache, input_ids=torch.tensor([ids], device=self.device), position_ids=rope[None],
-                logits_to_keep=logits_rows or max(1, probe_rows),
+                logits_to_keep=rows,
             )
         stream.tokens.extend(ids)
         stream.next_rope += t
@@ -307,10 +309,10 @@ class Engine:
         return logits, ctx
 
     def sampled_logits(self, head_inputs: torch.Tensor) -> torch.Tensor:
-        """Logits only sampled from (`forward`'s `sampled_rows`): the probe copy's output head, if any, on the
-        model's own inputs to it."""
-        head = (self.probe_model or self.model).get_output_embeddings()
-        return self.adapter.finish_logits(head(head_inputs.to(head.weight.dtype))).float()
+        """Logits only sampled from (`forward`'s `sampled`): the probe copy's output head on the model's own inputs
+        to its head, finished (soft-capped) in float32 as the model finishes its own."""
+        head = self.probe_model.get_output_embeddings()
+        return self.adapter.finish_logits(head(head_inputs.to(head.weight.dtype)).float())
 
     # ---- reading with eviction -----------------------------------------------------------------------------
     def feed(
@@ -333,9 +335,9 @@ class Engine:
             drafts = Drafts(count, self.policy.draft_rounds(self.reconstruction is not None, read, count),
                             self.policy.drafts_from_read) if count else None
             rows = recent if must_evict and self.policy.needs_probes and not drafts else 0
-            sampled = drafts.read_rows(len(chunk)) - 1 if drafts else 0  # the drafts' rows before the last
-            logits, ctx = self.forward(stream, chunk, probe_rows=rows, logits_rows=sampled + 1 if drafts else None,
-                                       sampled_rows=sampled)
+            logits, ctx = self.forward(stream, chunk, probe_rows=rows,
+                                       logits_rows=drafts.read_rows(len(chunk)) if drafts else None,
+                                       sampled=drafts is not None)  # the rows before the last: the drafts' only
             self.check_finite(logits)
             if must_evict:
                 if self.reconstruction is not None:  # the recent window is kept unless drafts judge it

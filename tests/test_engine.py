@@ -309,11 +309,14 @@ def test_forgetting_drafts_just_read_restores_the_ragged_cache_exactly(model):
 
 
 def test_sample_rows_draws_each_row_from_its_softmax():
-    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, -1.0]]).repeat(50_000, 1)
+    """Masked tokens (-inf, e.g. the first or last of the vocabulary) are never drawn; the rest at their softmax."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 0.0, 1.0, 2.0], [2.0, 0.0, -1.0, inf]]).repeat(50_000, 1)
     drawn = torch.tensor(sample_rows(logits, torch.Generator().manual_seed(0))).view(50_000, 2)
     for row in range(2):
-        frequencies = torch.bincount(drawn[:, row], minlength=3) / 50_000
+        frequencies = torch.bincount(drawn[:, row], minlength=4) / 50_000
         assert torch.allclose(frequencies, logits[row].softmax(dim=-1), atol=0.01)  # ~5 standard errors
+    assert (drawn[:, 0] != 0).all() and (drawn[:, 1] != 3).all()
 
 
 @pytest.mark.parametrize("mode", ["original", "compact"])

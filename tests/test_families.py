@@ -417,6 +417,24 @@ def test_rerotation_moves_keys_to_where_the_model_puts_them(family):
 UNKNOWN = dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 
 
+def test_an_unknown_family_that_changes_its_logits_after_the_head_is_refused():
+    """Rows only sampled from are finished by klevict from the output head's (`finish_logits`): a family unknown to
+    klevict that scales its logits after the head fails the self-check instead of drafting from other logits."""
+    from transformers import LlamaForCausalLM
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    torch.manual_seed(0)
+    model = Scaled(tiny_llama(seed=0).config).eval()
+    model.config.model_type = "mystery"
+    with pytest.raises(ModelError, match="after the head"):
+        adapter_for(model)
+
+
 def test_an_unknown_llama_style_family_is_accepted_after_its_self_check():
     """Phi-3 has no adapter of its own: it passes the self-check (the Llama layout fits it) and then reads exactly."""
     torch.manual_seed(0)
@@ -624,18 +642,19 @@ def test_every_policy_evicts_while_reading_and_decoding(family):
 
 
 def test_rows_only_sampled_from_are_the_models_logits_through_the_probe_copys_head(family):
-    """A read's logits rows that only feed the drafts' sampling (`sampled_rows`) are taken at the output head's input
+    """A read's logits rows that only feed the drafts' sampling (`sampled`) are taken at the output head's input
     (whatever the family puts before it) and finished as the model finishes them (Gemma's soft-capping): on the
     model's own head they are its logits, on a bfloat16 copy's within its rounding; the last row is the model's."""
     _, model, adapter = family
     ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     copy = probe_copy(model, torch.bfloat16)
     rows = []
-    for probe_model, sampled in ((None, 0), (None, 7), (lambda: copy, 7)):
+    for probe_model, sampled in ((None, False), (None, True), (lambda: model, True), (lambda: copy, True)):
         engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=24, probe_model=probe_model)
-        rows.append(engine.forward(engine.new_stream(), ids, logits_rows=8, sampled_rows=sampled)[0])
-    plain, own_head, copys_head = rows
+        rows.append(engine.forward(engine.new_stream(), ids, logits_rows=8, sampled=sampled)[0])
+    plain, no_copy, own_head, copys_head = rows
     assert plain.shape == own_head.shape == copys_head.shape == (8, model.config.vocab_size)
+    assert torch.equal(no_copy, plain)  # without a copy nothing is diverted
     torch.testing.assert_close(own_head, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(copys_head[-1], plain[-1], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(copys_head[:-1], plain[:-1], rtol=1e-5, atol=1e-5)

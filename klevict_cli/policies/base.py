@@ -40,7 +40,8 @@ class EvictionStep:
     # tokens read): part of the budget the policy's choice does not decide (Engine._keep_best)
     sinks: int = 0
     recent: range = range(0)
-    # the precision of the scoring's large products: the probes' (the probe copy's dtype, `--probe-dtype`)
+    # the precision of the scoring's large products: the probe copy's dtype where the probes run on one
+    # (`--probe-dtype`), float32 otherwise, whatever the model's own dtype
     score_dtype: torch.dtype = torch.float32
     # (S samples, live probes[, the last R probes only]) -> per layer (W or R, S, Hq, Dv) gradients (fisher.py)
     backward: Callable[..., dict[int, torch.Tensor]] | None = None

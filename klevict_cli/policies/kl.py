@@ -34,7 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from klevict_kernels.attention_rules import copy_attention, restricted_max_attention
-from klevict_kernels.kl import direct_readout, kl_scores, to_head_space
+from klevict_kernels.kl import direct_readout, kl_scores, to_head_space, work_bytes
 from klevict_cli.cache import LayerStack, Stacked, pad_stack
 from klevict_cli.policies.base import EvictionStep, Policy, reconstruction_columns, spread
 
@@ -306,7 +306,7 @@ class KL(Policy):
         out = {}
         for i in layer_ids:
             readout = to_head_space(adapter.to_attention_output(i, factors, step.probes[i].output).to(dtype),
-                                    adapter.output_projections([i], dtype)[0], step.probes[i].output.shape[0])
+                                    adapter.output_projection(i).weight, step.probes[i].output.shape[0])
             out[i] = self.entry_scores(step, i, readout)
         return out
 
@@ -321,7 +321,7 @@ class KL(Policy):
         hq, w, _ = probes[0].weights.shape
         kv, width = layers[0].values.shape[0], max(layer.capacity for layer in layers)
         device = probes[0].weights.device
-        per_layer = hq * w * readout.shape[1] * width * readout.element_size()
+        per_layer = hq * w * readout.shape[1] * width * work_bytes(readout.dtype)
         size = max(1, STACKED_WORK_BYTES[device.type == "cuda"] // per_layer)
         scores = torch.zeros(len(layer_ids), kv, width, dtype=torch.promote_types(readout.dtype, torch.float32),
                              device=device)
