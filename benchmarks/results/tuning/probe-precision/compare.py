@@ -1,7 +1,8 @@
 """Paired comparison of bench results read with `--probe-dtype float32` (FOLDER/f32-*.json) and `bfloat16`
 (FOLDER/bf16-*.json), the same windows: per method and budget the geometric mean over windows of KL(bfloat16) /
 KL(float32) with a 95 % interval, how many windows bfloat16 is lower, and the drift estimate against the measured KL
-(Spearman, median ratio, within 1.5x) for each.
+(Spearman, median ratio, within 1.5x) for each. The intervals over window x budget pairs are too narrow: a window's
+reads at every budget share its drafts, so the last summary takes each window (and method) as one sample.
 
     python benchmarks/results/tuning/probe-precision/compare.py [FOLDER]   # seed0/ (default) or seed1/
     python benchmarks/results/tuning/probe-precision/compare.py NEW OLD --tag f32   # NEW's f32-* over OLD's f32-*
@@ -29,6 +30,7 @@ baseline = args[1] if len(args) > 1 else None
 pairs, est, groups = [], {"f32": [], "bf16": []}, {}
 label = "new/old" if baseline else "bf16/f32"
 names = {"f32": "old", "bf16": "new"} if baseline else {"f32": "f32", "bf16": "bf16"}
+by_window: dict[tuple, list[float]] = {}
 for f32 in sorted(glob.glob(os.path.join(baseline or folder, f"{tag or 'f32'}-*.json"))):
     bf = os.path.join(folder, os.path.basename(f32)) if baseline else f32.replace("/f32-", "/bf16-")
     if not os.path.exists(bf):
@@ -47,6 +49,8 @@ for f32 in sorted(glob.glob(os.path.join(baseline or folder, f"{tag or 'f32'}-*.
             rows.append((method, budget, math.exp(m), math.exp(m - half), math.exp(m + half),
                          sum(y < x for x, y in zip(ka, kb)), len(ka)))
             pairs += logs
+            for n, log in enumerate(logs):  # a window's budgets share its drafts: they are one sample of them
+                by_window.setdefault((name, method, n), []).append(log)
             groups.setdefault(name.removeprefix("moby-dick-").removeprefix("hamlet-"), []).extend(logs)  # both texts
             for which, cellx in (("f32", cell), ("bf16", b["fidelity"]["results"][method][budget])):
                 w = cellx["per_window"]
@@ -57,6 +61,9 @@ for f32 in sorted(glob.glob(os.path.join(baseline or folder, f"{tag or 'f32'}-*.
 for group, logs in sorted(groups.items()):
     print(f"{group}: {len(logs)} window-budgets, geometric mean {label} {summary(logs)}")
 print(f"all {len(pairs)} window-budgets: geometric mean {label} {summary(pairs)}")
+windows = [statistics.mean(logs) for logs in by_window.values()]
+print(f"all {len(windows)} windows x methods (each the mean over its budgets, whose drafts it shares): geometric mean "
+      f"{label} {summary(windows)}")
 for which, xs in est.items():
     if xs:
         ratios = [e / k for e, k in xs]
