@@ -48,17 +48,16 @@ def self_check(model: nn.Module, adapter: ModelAdapter) -> None:
     try:
         model.set_attn_implementation("eager")
         own, moved_output, moved_residual = _own_logits_after_a_change(model, adapter, ids)
-        engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=half)
+        # the model stands in for its own probe copy: rows only sampled from are finished by klevict from the
+        # output head's (`sampled`), which must give the model's logits too
+        engine = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=half, probe_model=lambda: model)
         streams = []
         for offset in (0, SELF_CHECK_TOKENS):
             stream = engine.new_stream()
             stream.next_rope = offset
             engine.feed(stream, ids[0, :half].tolist())
             streams.append((stream, engine.forward(stream, ids[0, half:].tolist(), logits_rows=half)[0].float()))
-        # rows only sampled from are finished by klevict from the head's output (the model stands in for its copy)
-        diverted = Engine(model, adapter, make_policy("none"), budget=None, chunk_size=SELF_CHECK_TOKENS,
-                          probe_model=lambda: model)
-        sampled = diverted.forward(diverted.new_stream(), ids[0].tolist(), logits_rows=half, sampled=True)[0].float()
+        sampled = engine.forward(engine.new_stream(), ids[0].tolist(), logits_rows=half, sampled=True)[0].float()
     finally:
         model.set_attn_implementation(previous)
     if not _close(streams[0][1], own[half:], tolerance):

@@ -187,17 +187,21 @@ class ModelAdapter:
                                                           for i in layer_ids])
         return self._stacked_projections[key]
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The cap of the final logits' soft-capping cap·tanh(z/cap) where the config asks for one (Gemma's)."""
+        return getattr(self.config, "final_logit_softcapping", None) or None
+
     def finish_logits(self, raw: torch.Tensor) -> torch.Tensor:
-        """The final logits from the output head's (`final_logit_softcapping`'s cap·tanh(z/cap) where the config
-        asks for it, as Gemma's does)."""
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return raw if not cap else cap * torch.tanh(raw / cap)
+        """The final logits from the output head's (soft-capped where the model caps them: `logit_softcap`)."""
+        cap = self.logit_softcap
+        return raw if cap is None else cap * torch.tanh(raw / cap)
 
     def logit_jacobian_scale(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Per token, d(final logit)/d(raw logit) at `logits` (the final logits, after any soft-capping); None when
         the logits are the unembedding's output unchanged."""
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if not cap:
+        cap = self.logit_softcap
+        if cap is None:
             return None
         return 1.0 - (logits.double() / cap).clamp(-1.0, 1.0).square()  # 1 - tanh²(raw/cap)
 

@@ -294,11 +294,18 @@ def _capture_residual(module, args):
         ctx.residuals = args[0][0, -ctx.probe_rows :].detach()
 
 
+def _pre_hook_once(module, hook) -> None:
+    """Register `hook` before `module`'s forward unless it already is (a probe copy made by deepcopy carries its
+    model's hooks and their record)."""
+    installed = module.__dict__.setdefault("_klevict_hooks", set())
+    if hook.__name__ not in installed:
+        module.register_forward_pre_hook(hook)
+        installed.add(hook.__name__)
+
+
 def install_residual_hook(final_norm) -> None:
     """Record the final residual stream (the final norm's input) at the probe rows; installed once per model."""
-    if not getattr(final_norm, "_klevict_hooked", False):
-        final_norm.register_forward_pre_hook(_capture_residual)
-        final_norm._klevict_hooked = True
+    _pre_hook_once(final_norm, _capture_residual)
 
 
 def _divert_sampled_rows(module, args):
@@ -314,9 +321,7 @@ def install_head_hook(output_head) -> None:
     """Let the model's output head compute only the last of the logits rows asked for when the others only feed
     sampling (ForwardContext.sampled_rows), and keep those rows' inputs; installed once per model. Taken at the
     head's input, after whatever the family puts between the final norm and it."""
-    if not getattr(output_head, "_klevict_hooked", False):
-        output_head.register_forward_pre_hook(_divert_sampled_rows)
-        output_head._klevict_hooked = True
+    _pre_hook_once(output_head, _divert_sampled_rows)
 
 
 AttentionInterface.register(ATTENTION_NAME, klevict_attention)

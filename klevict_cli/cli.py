@@ -722,7 +722,8 @@ def bench(
     settings = BenchSettings(
         methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
         context=context, continuation=continuation, seed=opts["seed"], chunk_size=opts["chunk_size"],
-        probe_window=opts["probe_window"], probe_dtype=opts["probe_dtype"], task=task, needles=needles, answer_tokens=answer_tokens, working=working,
+        probe_window=opts["probe_window"], probe_dtype=opts["probe_dtype"], task=task, needles=needles,
+        answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct, max_kl=parse_tolerances(max_kl), estimate=estimate,
         cache_dtypes=parse_cache_dtypes(cache_dtypes), max_bytes=parse_byte_limits(max_bytes),
     )
