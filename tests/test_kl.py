@@ -72,6 +72,24 @@ def test_the_kl_kernel_at_bfloat16_gives_float32_scores_that_rank_as_float32s_do
     assert spearman(low.flatten(), exact.flatten()) > 0.999
 
 
+
+@pytest.mark.parametrize("block_bytes", [None, 4096])
+def test_a_near_sole_entrys_score_at_bfloat16_is_its_float32_score(block_bytes):
+    """An entry holding nearly all of a row's attention (a sink) has o close to v_j; at bfloat16 the difference of the
+    two products would be mostly rounding, multiplied by a/(1-a). Its term is formed in float32 instead."""
+    torch.manual_seed(3)
+    hq, hkv, w, c, d, r = 4, 2, 8, 64, 32, 4
+    logits = torch.randn(hq, w, c)
+    logits[..., 5] += 12  # entry 5 takes > 99 % of every row
+    weights = logits.softmax(-1)
+    values, readout = torch.randn(hkv, c, d) * 10, torch.randn(w, r, hq, d)
+    outputs = weights @ values.repeat_interleave(hq // hkv, dim=0)
+    exact = kl_scores(weights, outputs, values, readout, hkv, block_bytes=block_bytes)
+    low = kl_scores(weights, outputs, values, readout.bfloat16(), hkv, block_bytes=block_bytes)  # the cache's values
+    assert weights[..., 5].min() > 0.99
+    assert torch.allclose(low[:, 5], exact[:, 5], rtol=0.05)
+    assert float(((low - exact).abs() / exact).median()) < 0.01
+
 @pytest.fixture(scope="module")
 def probed():
     """A tiny model that has read 64 tokens, then 32 more with the last 16 recorded as probes."""
