@@ -62,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "temperature": 0.0,
     "top_p": 1.0,
     "repetition_penalty": 1.1,
+    "no_repeat": 8,
     "position_mode": "auto",
     "probe_window": 32,
     "probe_dtype": "auto",
@@ -97,6 +98,8 @@ TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
 RepeatOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Discourage repeating the answer's last "
                                                  "64 tokens (1 = off; default 1.1).")]
+NoRepeatOpt = Annotated[int | None, typer.Option("--no-repeat", help="Never write the same run of this many answer "
+                                                 "tokens twice (0 = off; default 8).")]
 ModeOpt = Annotated[str | None, typer.Option("--position-mode", help="auto (default), original or compact.")]
 ProbeOpt = Annotated[int | None, typer.Option("--probe-window", help="Last tokens of a chunk used as probes and "
                                               "always kept (default 32).")]
@@ -232,6 +235,7 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     top_p, penalty, temperature = opts["top_p"], opts["repetition_penalty"], opts["temperature"]
     check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
+    check_int_range("no_repeat", opts["no_repeat"], 0, MAX_COUNT)
     # Below 0.01 sampling is all but greedy, and near 0 logits / temperature overflows to NaN probabilities.
     check_real("temperature", temperature, temperature == 0 or 0.01 <= temperature <= 100,
                "0 (greedy) or from 0.01 to 100")
@@ -282,7 +286,8 @@ def generate(opts: dict, session, stream, question: str, mode: str, **policy) ->
     answer, and meanwhile a terminal on stderr shows a count of the tokens generated."""
     from klevict_cli.session import GenerateSettings
 
-    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"])
+    gen = GenerateSettings(opts["max_new_tokens"], opts["temperature"], opts["top_p"], opts["repetition_penalty"],
+                           opts["no_repeat"])
     text = None if opts["json"] else TextStream(session.lm.tokenizer)
     counting = opts["json"] or not sys.stdout.isatty()  # on a terminal the streamed text is progress enough
     with progress_bar(opts["quiet"] or not counting) as bar:
@@ -365,8 +370,8 @@ def summarize(
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
-    position_mode: ModeOpt = None, probe_window: ProbeOpt = None, working_limit: WorkingOpt = None,
-    reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
+    no_repeat: NoRepeatOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
+    working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
     probe_dtype: ProbeDtypeOpt = None, max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None,
     config: ConfigOpt = None,
 ):
@@ -375,7 +380,8 @@ def summarize(
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, repetition_penalty=repetition_penalty, position_mode=position_mode,
+                           top_p=top_p, repetition_penalty=repetition_penalty, no_repeat=no_repeat,
+                           position_mode=position_mode,
                            probe_window=probe_window, json=json_out, working_limit=working_limit,
                            reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory,
                            max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
@@ -536,12 +542,13 @@ def ask(
                                             metavar="QUESTION")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
-    repetition_penalty: RepeatOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    repetition_penalty: RepeatOpt = None, no_repeat: NoRepeatOpt = None, json_out: JsonOpt = None,
+    quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, json=json_out,
-                           quiet=quiet)
+                           temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                           no_repeat=no_repeat, json=json_out, quiet=quiet)
     questions = _questions(question)
     if len(cache_files) > 1 or cache_files[0].is_dir():
         ask_many(opts, cache_files, questions)

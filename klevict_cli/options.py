@@ -44,6 +44,7 @@ OPTION_TYPES: dict[str, type] = {
     "temperature": float,
     "top_p": float,
     "repetition_penalty": float,
+    "no_repeat": int,
     "position_mode": str,
     "probe_window": int,
     "probe_dtype": str,

@@ -15,6 +15,19 @@ def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, 
     return logits.index_copy(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
+def ban_repeated_spans(logits: torch.Tensor, previous: list[int], span: int) -> torch.Tensor:
+    """Rule out every token that would end a `span`-token run of the answer equal to an earlier one: a small model
+    decoding greedily from a compressed cache falls into loops of whole sentences that a penalty on single tokens
+    only delays (over the quick start's plays, every summary ended in one). 0: off."""
+    if span < 1 or len(previous) < span:
+        return logits
+    start, tail = len(previous) - span + 1, previous[len(previous) - span + 1 :]  # the run the next token would end
+    banned = {previous[i + span - 1] for i in range(start) if previous[i : i + span - 1] == tail}
+    if not banned:
+        return logits
+    return logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
+
+
 def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
     """One token from each row's distribution (temperature 1), by inverting each row's cumulative distribution at
     one uniform draw: two passes over the logits and one random number per row. `torch.multinomial` took 79 ms on

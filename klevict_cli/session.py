@@ -70,6 +70,7 @@ class GenerateSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     repetition_penalty: float = 1.1
+    no_repeat: int = 8  # no run of this many answer tokens written twice (0: off)
 
 
 @dataclass
@@ -299,7 +300,7 @@ class Session:
         first_token_at = None
         tokens: list[int] = []
         for token in engine.generate(work, suffix, max_new, self.stop_ids, gen.temperature, gen.top_p,
-                                     repetition_penalty=gen.repetition_penalty):
+                                     repetition_penalty=gen.repetition_penalty, no_repeat=gen.no_repeat):
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)

@@ -925,7 +925,7 @@ def test_chunk_size_must_be_positive(doc, model, value):
 @pytest.mark.parametrize(
     ("option", "value"),
     [("--position-mode", "sideways"), ("--top-p", "0"), ("--repetition-penalty", "0.5"), ("--temperature", "-1"),
-     ("--max-new-tokens", "-1"), ("--probe-window", "0")],
+     ("--max-new-tokens", "-1"), ("--probe-window", "0"), ("--no-repeat", "-1")],
 )
 def test_other_bad_option_values(doc, model, option, value):
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
@@ -936,7 +936,7 @@ def test_other_bad_option_values(doc, model, option, value):
     [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "1e-320"), ("--temperature", "1000"),
      ("--top-p", "nan"), ("--top-p", "inf"), ("--repetition-penalty", "nan"), ("--repetition-penalty", "inf"),
      ("--seed", str(2**64)), ("--seed", "-1"), ("--max-new-tokens", str(10**20)), ("--chunk-size", str(10**11)),
-     ("--probe-window", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
+     ("--probe-window", str(10**11)), ("--no-repeat", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
 )
 def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, monkeypatch, option, value):
     monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))

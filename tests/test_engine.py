@@ -169,6 +169,35 @@ def test_generation_is_deterministic_given_a_seed(model):
     assert len(run(7)) == 12 and run(8) != run(7)  # and the seed is what decides
 
 
+
+def test_a_banned_span_is_one_the_answer_already_wrote():
+    from klevict_cli.sampling import ban_repeated_spans
+
+    logits = torch.zeros(6)
+    # the last two tokens (3, 4) were followed by 5 and by 1 before: a span of 3 may not repeat either
+    out = ban_repeated_spans(logits, [3, 4, 5, 2, 3, 4, 1, 3, 4], 3)
+    assert torch.isinf(out[[1, 5]]).all() and torch.isfinite(out[[0, 2, 3, 4]]).all()
+    assert ban_repeated_spans(logits, [3, 4, 5, 3, 4], 0) is logits  # 0: off
+    assert torch.isfinite(ban_repeated_spans(logits, [3, 4, 5, 3, 4], 4)).all()  # (4, 5) then (3, 4): no 4-run yet
+
+
+def test_a_greedy_answer_never_writes_a_span_twice(model):
+    """A tiny random model decoding greedily loops at once; with the ban, no run of 4 tokens repeats."""
+    ids = torch.randint(0, 300, (50,)).tolist()
+
+    def answer(no_repeat):
+        engine = Engine(model, adapter_for(model), make_policy("snapkv"), budget=20, chunk_size=16)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)
+        return list(engine.generate(stream, [1, 2], 60, set(), no_repeat=no_repeat))
+
+    def spans(tokens):
+        return [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+
+    looping, banned = spans(answer(0)), spans(answer(4))
+    assert len(set(looping)) < len(looping)  # the loop the ban is for
+    assert len(banned) == 57 and len(set(banned)) == len(banned)
+
 def test_past_then_chunk_attention_equals_one_masked_call():
     from klevict_cli.attention import _attend_past_then_chunk
 
