@@ -59,10 +59,11 @@ def kl_scores(
     value_heads = values.shape[0]  # H_kv, or Hq when the values are already per query head
     e_ext = torch.cat((e, e_o[..., None]), dim=-1).reshape(value_heads, hq // value_heads * w * r, -1)
     v_ext = torch.cat((-values.to(dtype).transpose(1, 2), values.new_ones(value_heads, 1, c, dtype=dtype)), dim=1)
-    sole = sole_terms(weights, e, outputs, values) if dtype.itemsize < 4 else None  # products below float32
     block = c if block_bytes is None else max(1, block_bytes // (hq * w * r * work_bytes(dtype)))
+    starts = range(0, c, block)
+    sole = sole_terms(weights, e, outputs, values, starts) if dtype.itemsize < 4 else [None] * len(starts)
     blocks = [_block_scores(e_ext, v_ext[..., lo : lo + block], weights[..., lo : lo + block], kv_heads, clamp,
-                            fold_probes, sole, lo) for lo in range(0, c, block)]
+                            fold_probes, terms) for lo, terms in zip(starts, sole)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
 
 
@@ -74,16 +75,15 @@ def work_bytes(dtype: torch.dtype) -> int:
 
 
 def _block_scores(e_ext: torch.Tensor, v_ext: torch.Tensor, weights: torch.Tensor, kv_heads: int, clamp: float,
-                  fold_probes: bool, sole: tuple | None = None, lo: int = 0) -> torch.Tensor:
-    """kl_scores of the entries of `v_ext` (value heads, Dv + 1, n), whose attention weights are `weights`;
-    these are entries lo, lo + 1, ... of the cache, whose near-sole terms `sole` (sole_terms) replace the product's."""
+                  fold_probes: bool, sole: tuple | None = None) -> torch.Tensor:
+    """kl_scores of the entries of `v_ext` (value heads, Dv + 1, n), whose attention weights are `weights`; `sole`
+    (head, probe, entry within the block, terms), their near-sole terms (sole_terms), replace the product's."""
     hq, w, n = weights.shape
     work = torch.promote_types(e_ext.dtype, torch.float32)
     y = torch.bmm(e_ext, v_ext).view(hq, w, -1, n).to(work)  # e·(o - v_j): (Hq, W, R, n)
     if sole is not None:
         h, t, j, terms = sole
-        a, b = torch.searchsorted(j, torch.tensor([lo, lo + n], device=j.device)).tolist()  # the block's, by j
-        y[h[a:b], t[a:b], :, j[a:b] - lo] = terms[a:b]
+        y[h, t, :, j] = terms
     y.mul_(removal_coefficients(weights.to(work), clamp)[:, :, None, :])  # × a/(1-a)
     y = y.view(kv_heads, hq // kv_heads, w, -1, n).sum(dim=1) if hq > kv_heads else y  # fold the group first
     if fold_probes:
@@ -94,20 +94,26 @@ def _block_scores(e_ext: torch.Tensor, v_ext: torch.Tensor, weights: torch.Tenso
 SOLE_ABOVE = 0.5  # an entry with more of a row's attention than this is "near-sole" (at most one per row)
 
 
-def sole_terms(weights: torch.Tensor, e: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor) -> tuple:
-    """The terms e·(o - v_j), formed in float32, of the entries holding more than half a row's attention; as (head,
-    probe, entry, terms (k, R)) sorted by entry. For such an entry o is close to v_j, so e·o - e·v_j is a small
-    difference of two large products, and a/(1-a) (up to 1/clamp) then multiplies what is left of it: with products
-    rounded to bfloat16 (2^-9 relative) a sink's score came out up to 700x float32's on a 3,600-token read. Forming
-    o - v_j first in float32 keeps the difference exact. At most one entry per row qualifies: one small product per
-    row, found once per call rather than per block."""
+def sole_terms(weights: torch.Tensor, e: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor,
+               starts: range) -> list[tuple]:
+    """The terms e·(o - v_j), formed in float32, of the entries holding more than half a row's attention; per block
+    of entries beginning at `starts`, as (head, probe, entry within the block, terms (k, R)). For such an entry o is
+    close to v_j, so e·o - e·v_j is a small difference of two large products, and a/(1-a) (up to 1/clamp) then
+    multiplies what is left of it: with products rounded to bfloat16 (2^-9 relative) a sink's score came out up to
+    700x float32's on a 3,600-token read. Forming o - v_j first in float32 keeps the difference exact. At most one
+    entry per row qualifies: one small product per row, found once per call rather than per block (one host sync
+    for every block's bounds, none beyond `nonzero`'s for a single block)."""
     largest, entry = weights.max(dim=-1)  # (Hq, W): cheaper than finding them among every weight
     h, t = (largest > SOLE_ABOVE).nonzero(as_tuple=True)
     j, order = entry[h, t].sort()
     h, t = h[order], t[order]
     group = weights.shape[0] // values.shape[0]
     difference = outputs[h, t].float() - values[h // group, j].float()  # (k, Dv)
-    return h, t, j, torch.einsum("krd,kd->kr", e[h, t].float(), difference)
+    terms = torch.einsum("krd,kd->kr", e[h, t].float(), difference)
+    if len(starts) == 1:
+        return [(h, t, j, terms)]
+    bounds = torch.searchsorted(j, torch.tensor([*starts, starts.stop], device=j.device)).tolist()
+    return [(h[a:b], t[a:b], j[a:b] - lo, terms[a:b]) for lo, a, b in zip(starts, bounds, bounds[1:])]
 
 
 def direct_readout(

@@ -236,6 +236,8 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
     check_real("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     check_real("repetition_penalty", penalty, 1 <= penalty <= 100, "from 1 (off) to 100")
     check_int_range("no_repeat", opts["no_repeat"], 0, MAX_COUNT)
+    if opts["no_repeat"] == 1:  # a run of one token is a token: the answer could use each once only
+        raise UsageError("invalid --no-repeat '1'; must be 0 (off) or a run of 2 tokens or more")
     # Below 0.01 sampling is all but greedy, and near 0 logits / temperature overflows to NaN probabilities.
     check_real("temperature", temperature, temperature == 0 or 0.01 <= temperature <= 100,
                "0 (greedy) or from 0.01 to 100")
@@ -371,9 +373,9 @@ def summarize(
     device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
     temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
     no_repeat: NoRepeatOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
-    working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None, estimate: EstimateOpt = None,
-    probe_dtype: ProbeDtypeOpt = None, max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None,
-    config: ConfigOpt = None,
+    working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None,
+    estimate: EstimateOpt = None, probe_dtype: ProbeDtypeOpt = None, max_memory: MemoryOpt = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT

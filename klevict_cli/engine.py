@@ -24,7 +24,7 @@ from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, hea
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
 from klevict_cli.quantized import stored_cache
-from klevict_cli.sampling import ban_repeated_spans, penalise_repeats, sample, sample_rows
+from klevict_cli.sampling import SpanBan, penalise_repeats, sample, sample_rows
 from klevict_cli.tolerance import smallest_within
 from klevict_kernels.kl import token_kl
 from klevict_kernels.refit import refit_values
@@ -861,17 +861,19 @@ class Engine:
         """Append the prompt (never evicted) and decode; greedy unless `temperature` > 0. With a budget, the cache
         is re-compressed whenever generation has grown it by `slack` entries per head beyond the budget (or beyond
         what the prompt left, if more), with the latest tokens as probes. No `no_repeat`-token run of the answer is
-        written twice (sampling.ban_repeated_spans)."""
+        written twice (sampling.SpanBan)."""
         logits = self.feed(stream, prompt_ids, evict=False)
         prompt = range(stream.next_position - len(prompt_ids), stream.next_position)
         limit = None if self.budget is None else max(self.budget, math.ceil(self.held_per_head(stream)))
         answer: list[int] = []
+        ban = SpanBan(no_repeat)
         for i in range(max_new_tokens):
-            allowed = ban_repeated_spans(penalise_repeats(logits, answer, repetition_penalty), answer, no_repeat)
+            allowed = ban.apply(penalise_repeats(logits, answer, repetition_penalty), answer)
             token = sample(allowed, temperature, top_p, self.generator)
             if token in stop_ids:
                 return
             answer.append(token)
+            ban.add(answer)
             yield token
             if i == max_new_tokens - 1:
                 return  # nothing more to predict: don't pay for a forward of the last token

@@ -15,17 +15,29 @@ def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, 
     return logits.index_copy(0, index, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
-def ban_repeated_spans(logits: torch.Tensor, previous: list[int], span: int) -> torch.Tensor:
-    """Rule out every token that would end a `span`-token run of the answer equal to an earlier one: a small model
+class SpanBan:
+    """Rules out every token that would end a `span`-token run of the answer equal to an earlier one: a small model
     decoding greedily from a compressed cache falls into loops of whole sentences that a penalty on single tokens
-    only delays (over the quick start's plays, every summary ended in one). 0: off."""
-    if span < 1 or len(previous) < span:
-        return logits
-    start, tail = len(previous) - span + 1, previous[len(previous) - span + 1 :]  # the run the next token would end
-    banned = {previous[i + span - 1] for i in range(start) if previous[i : i + span - 1] == tail}
-    if not banned:
-        return logits
-    return logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
+    only delays (over the quick start's plays, every summary ended in one). Each run's first span - 1 tokens map to
+    the tokens that followed them, so a step costs one lookup however long the answer. span 0: off."""
+
+    def __init__(self, span: int):
+        self.span = span
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+
+    def add(self, answer: list[int]) -> None:
+        """Record the run that the answer's newest token ends."""
+        if self.span and len(answer) >= self.span:
+            self.followers.setdefault(tuple(answer[len(answer) - self.span : -1]), set()).add(answer[-1])
+
+    def apply(self, logits: torch.Tensor, answer: list[int]) -> torch.Tensor:
+        """`logits` with the banned tokens at -inf; as they are where that would leave no token at all."""
+        if not self.span or len(answer) < self.span - 1:
+            return logits
+        banned = self.followers.get(tuple(answer[len(answer) - self.span + 1 :]))
+        if not banned or len(banned) >= logits.shape[-1]:
+            return logits
+        return logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
 
 
 def sample_rows(logits: torch.Tensor, generator: torch.Generator) -> list[int]:

@@ -925,7 +925,7 @@ def test_chunk_size_must_be_positive(doc, model, value):
 @pytest.mark.parametrize(
     ("option", "value"),
     [("--position-mode", "sideways"), ("--top-p", "0"), ("--repetition-penalty", "0.5"), ("--temperature", "-1"),
-     ("--max-new-tokens", "-1"), ("--probe-window", "0"), ("--no-repeat", "-1")],
+     ("--max-new-tokens", "-1"), ("--probe-window", "0")],
 )
 def test_other_bad_option_values(doc, model, option, value):
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
@@ -936,7 +936,7 @@ def test_other_bad_option_values(doc, model, option, value):
     [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "1e-320"), ("--temperature", "1000"),
      ("--top-p", "nan"), ("--top-p", "inf"), ("--repetition-penalty", "nan"), ("--repetition-penalty", "inf"),
      ("--seed", str(2**64)), ("--seed", "-1"), ("--max-new-tokens", str(10**20)), ("--chunk-size", str(10**11)),
-     ("--probe-window", str(10**11)), ("--no-repeat", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
+     ("--probe-window", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
 )
 def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, monkeypatch, option, value):
     monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
@@ -971,6 +971,34 @@ def test_config_file_is_honoured_and_the_command_line_wins(doc, model, tmp_path)
     assert data["new_tokens"] <= 2
     data = json_out(invoke(*base, "--method", "snapkv", "--budget", "32"))
     assert (data["method"], data["budget"], data["budget_tokens"]) == ("snapkv", "32", 32)
+
+
+@pytest.mark.parametrize("value", ["-1", "1", str(10**11)])
+def test_a_no_repeat_run_is_0_or_2_tokens_or_more(doc, model, monkeypatch, value):
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, "--no-repeat", value), 2, "--no-repeat", "must be")
+
+
+@pytest.mark.parametrize("command", ["ask", "summarize"])
+def test_no_repeat_reaches_the_decoder_from_the_command_line_and_the_config(doc, compressed, model, tmp_path,
+                                                                            monkeypatch, command):
+    from klevict_cli.engine import Engine
+
+    seen = []
+    real = Engine.generate
+
+    def watched(self, *args, no_repeat=0, **kwargs):
+        seen.append(no_repeat)
+        return real(self, *args, no_repeat=no_repeat, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", watched)
+    config = tmp_path / "klevict.yaml"
+    config.write_text("no_repeat: 5\n")
+    args = (["ask", compressed[0], QUESTIONS[0]] if command == "ask"
+            else ["summarize", doc, "--budget", "64", *FAST])
+    for extra in ([], ["--no-repeat", "3"], ["--config", config]):
+        assert_ok(invoke(*args, "--model", model, *GEN, *extra))
+    assert seen == [8, 3, 5]
 
 
 def test_config_applies_to_ask(compressed, model, tmp_path):

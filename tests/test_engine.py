@@ -169,16 +169,22 @@ def test_generation_is_deterministic_given_a_seed(model):
     assert len(run(7)) == 12 and run(8) != run(7)  # and the seed is what decides
 
 
-
 def test_a_banned_span_is_one_the_answer_already_wrote():
-    from klevict_cli.sampling import ban_repeated_spans
+    from klevict_cli.sampling import SpanBan
 
-    logits = torch.zeros(6)
+    def banned(answer, span, vocab=6):
+        ban = SpanBan(span)
+        for i in range(1, len(answer) + 1):
+            ban.add(answer[:i])  # as generate records each token it writes
+        return ban.apply(torch.zeros(vocab), answer)
+
     # the last two tokens (3, 4) were followed by 5 and by 1 before: a span of 3 may not repeat either
-    out = ban_repeated_spans(logits, [3, 4, 5, 2, 3, 4, 1, 3, 4], 3)
+    out = banned([3, 4, 5, 2, 3, 4, 1, 3, 4], 3)
     assert torch.isinf(out[[1, 5]]).all() and torch.isfinite(out[[0, 2, 3, 4]]).all()
-    assert ban_repeated_spans(logits, [3, 4, 5, 3, 4], 0) is logits  # 0: off
-    assert torch.isfinite(ban_repeated_spans(logits, [3, 4, 5, 3, 4], 4)).all()  # (4, 5) then (3, 4): no 4-run yet
+    assert torch.isfinite(banned([3, 4, 5, 3, 4], 0)).all()  # 0: off
+    assert torch.isfinite(banned([3, 4, 5, 3, 4], 4)).all()  # (4, 5) then (3, 4): no 4-run yet
+    assert torch.isinf(banned([3, 4, 5, 3, 4], 3)[5])  # (3, 4) was followed by 5
+    assert torch.isfinite(banned([0, 1, 0, 0, 1, 1, 0], 2, vocab=2)).all()  # 0 was followed by both: bans none
 
 
 def test_a_greedy_answer_never_writes_a_span_twice(model):
@@ -197,6 +203,7 @@ def test_a_greedy_answer_never_writes_a_span_twice(model):
     looping, banned = spans(answer(0)), spans(answer(4))
     assert len(set(looping)) < len(looping)  # the loop the ban is for
     assert len(banned) == 57 and len(set(banned)) == len(banned)
+
 
 def test_past_then_chunk_attention_equals_one_masked_call():
     from klevict_cli.attention import _attend_past_then_chunk

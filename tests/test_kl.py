@@ -72,23 +72,31 @@ def test_the_kl_kernel_at_bfloat16_gives_float32_scores_that_rank_as_float32s_do
     assert spearman(low.flatten(), exact.flatten()) > 0.999
 
 
-
-@pytest.mark.parametrize("block_bytes", [None, 4096])
-def test_a_near_sole_entrys_score_at_bfloat16_is_its_float32_score(block_bytes):
-    """An entry holding nearly all of a row's attention (a sink) has o close to v_j; at bfloat16 the difference of the
-    two products would be mostly rounding, multiplied by a/(1-a). Its term is formed in float32 instead."""
+@pytest.mark.parametrize("fold_probes", [False, True])
+@pytest.mark.parametrize("block_bytes", [None, 4096, 1000])
+def test_a_near_sole_entrys_score_at_bfloat16_is_its_float32_score(block_bytes, fold_probes):
+    """An entry holding nearly all of a row's attention (a sink, or a previous-token head's one entry) has o close to
+    v_j; at bfloat16 the difference of the two products would be mostly rounding, multiplied by a/(1-a). Its term
+    is formed in float32 instead: here a different entry per row, across blocks (the last one partial), and a
+    quarter of the rows with none."""
     torch.manual_seed(3)
-    hq, hkv, w, c, d, r = 4, 2, 8, 64, 32, 4
+    hq, hkv, w, c, d, r = 4, 2, 8, 61, 32, 4
     logits = torch.randn(hq, w, c)
-    logits[..., 5] += 12  # entry 5 takes > 99 % of every row
+    sole = torch.randint(0, c, (hq, w))
+    with_one = torch.rand(hq, w) > 0.25
+    logits.scatter_add_(2, sole[..., None], 12.0 * with_one[..., None].float())  # > 99 % of the row
     weights = logits.softmax(-1)
     values, readout = torch.randn(hkv, c, d) * 10, torch.randn(w, r, hq, d)
     outputs = weights @ values.repeat_interleave(hq // hkv, dim=0)
-    exact = kl_scores(weights, outputs, values, readout, hkv, block_bytes=block_bytes)
-    low = kl_scores(weights, outputs, values, readout.bfloat16(), hkv, block_bytes=block_bytes)  # the cache's values
-    assert weights[..., 5].min() > 0.99
-    assert torch.allclose(low[:, 5], exact[:, 5], rtol=0.05)
+    exact = kl_scores(weights, outputs, values, readout, hkv, block_bytes=block_bytes, fold_probes=fold_probes)
+    low = kl_scores(weights, outputs, values, readout.bfloat16(), hkv, block_bytes=block_bytes,  # the cache's values
+                    fold_probes=fold_probes)
+    assert weights.gather(2, sole[..., None])[with_one].min() > 0.99
+    heads = torch.arange(hq)[:, None].expand(hq, w)[with_one] // (hq // hkv)
+    entries = sole[with_one]
+    assert torch.allclose(low[heads, entries], exact[heads, entries], rtol=0.05)
     assert float(((low - exact).abs() / exact).median()) < 0.01
+
 
 @pytest.fixture(scope="module")
 def probed():
