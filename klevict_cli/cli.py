@@ -383,10 +383,9 @@ def summarize(
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=top_p, repetition_penalty=repetition_penalty, no_repeat=no_repeat,
-                           position_mode=position_mode,
-                           probe_window=probe_window, json=json_out, working_limit=working_limit,
-                           reconstruct=reconstruct, quiet=quiet, prompt=prompt, max_memory=max_memory,
-                           max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
+                           position_mode=position_mode, probe_window=probe_window, json=json_out,
+                           working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
+                           max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     session, result = read_document(opts, file, reconstruct_default=False)
     answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
