@@ -220,12 +220,12 @@ class Worker:
     mid-document leaves nothing behind."""
 
     def __init__(self, opts: dict):
-        from klevict_cli.reading import check_session, read_settings, session_for
+        from klevict_cli.reading import prepare_session, read_settings, session_for
 
         self.opts = opts
         self.session = session_for(opts)
         self.settings = read_settings(opts, reconstruct_default=True)
-        check_session(self.session, self.settings)
+        prepare_session(self.session, self.settings)
         self._key = settings_key(opts, self.session.identity())
         self._quick = quick_key(opts)
 

@@ -29,7 +29,7 @@ from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
     load_config, merge_options, parse_byte_limit, resolve_device, resolve_dtype,
 )
-from klevict_cli.reading import check_session, read_options, read_settings, session_for
+from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
@@ -114,7 +114,7 @@ MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up f
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
                                                  "moved the model (estimated_kl; 4 x 32 sampled tokens, 1-4 s on "
-                                                 "a CPU). Default: on for compress, off for summarize.")]
+                                                 "a CPU). Default: on for compress of 1,024 tokens or more, off for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
                                                "(mean next-token KL, nats per token) is at most this; --budget is "
                                                "then only a cap.")]
@@ -267,7 +267,7 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in document.notes:
         note(opts, f"note: {line}")
     session = session_for(opts)
-    check_session(session, settings)
+    prepare_session(session, settings)
     # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
     prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
     with progress_bar(opts["quiet"]) as bar:

@@ -121,7 +121,9 @@ def plan_positions(
 # 0.84; within 1.5x at each one's best calibration 54 % / 46 %, and 46 % / 38 % at 4,096 tokens) for 1.6x its cost;
 # 4 x 16 about as well as 1 x 32 (0.86, 52 %) for 0.8x. So a read samples 32 tokens per lane where that costs little
 # (the read at least DRIFT_CHEAP times the lanes' tokens: 2,048 tokens, as for the look-ahead's second round), and
-# 16 where not (docs/research-log.md, "the drift in lanes, again").
+# 16 where not (docs/research-log.md, "the drift in lanes, again"). Below DRIFT_CHEAP times 4 x 16 (1,024 tokens) even
+# that is not cheap — on a 300-token note it costs about two reads, sixteen sequential forwards that each stream every
+# weight, and no cheaper shape kept the estimate — so a read measures it there only when asked (`drift_steps`).
 DRIFT_DRAFTS = 32
 DRIFT_LANES = 4
 DRIFT_CHEAP = 16
@@ -133,11 +135,21 @@ DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the d
 # kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head); between them interpolated in log(length), beyond
 # them the nearest (docs/method.md, "Estimated drift"); every model reads with these unless klevict ships its own
 # (calibrations.drift_points).
-DRIFT_CALIBRATION = ((512, 0.52), (1024, 0.81), (4096, 0.87))
+DRIFT_CALIBRATION = ((256, 0.44), (512, 0.52), (1024, 0.81), (4096, 0.87))
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
 # a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
 EVICTED_BYTES = 1 << 30
+
+
+def drift_steps(tokens: int, asked: bool = True) -> int:
+    """Tokens per lane that the drift estimate of a read of `tokens` samples: DRIFT_DRAFTS where the read is at least
+    DRIFT_CHEAP times the lanes' tokens, half of it where that is cheap, and where even that is not, half of it if the
+    estimate was `asked` for and none otherwise."""
+    for steps in (DRIFT_DRAFTS, DRIFT_DRAFTS // 2):
+        if tokens >= DRIFT_CHEAP * DRIFT_LANES * steps:
+            return steps
+    return DRIFT_DRAFTS // 2 if asked else 0
 
 
 def drift_calibration(points: tuple[tuple[int, float], ...], tokens: int) -> float:
@@ -621,8 +633,7 @@ class Engine:
         before = evicted is not None and evicted.evictions > 0 and whole
         # over every entry the read produced, where earlier evictions set them aside: the drift of the whole read
         reference = Stream(evicted.with_held(stream.cache), list(stream.tokens), stream.next_rope) if before else stream
-        cheap = stream.next_position >= DRIFT_CHEAP * DRIFT_LANES * DRIFT_DRAFTS
-        steps = min(DRIFT_DRAFTS if cheap else DRIFT_DRAFTS // 2, self.room(stream))
+        steps = min(drift_steps(stream.next_position), self.room(stream))
         lanes = Lanes(reference.next_position, reference.next_rope, DRIFT_LANES)
         tokens, rows = [], []
         logits = read_logits.reshape(-1, read_logits.shape[-1])[-1:].expand(DRIFT_LANES, -1)

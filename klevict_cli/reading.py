@@ -48,8 +48,9 @@ def read_options(opts: dict, reconstruct_default: bool = False) -> dict:
     """`read_settings`'s fields, every option checked, without importing the engine (torch, transformers)."""
     reconstruct, estimate = opts.get("reconstruct"), opts.get("estimate")
     return dict(
-        # a saved cache serves many questions: compress re-reads and measures its drift by default, summarize neither
-        measure_drift=reconstruct_default if estimate is None else bool(estimate),
+        # a saved cache serves many questions: compress re-reads by default, and measures its drift where that is cheap
+        # next to the read (None: engine.drift_steps); summarize does neither
+        measure_drift=(None if reconstruct_default else False) if estimate is None else bool(estimate),
         working=parse_working_limit(opts.get("working_limit")),
         reconstruct=reconstruct_default if reconstruct is None else bool(reconstruct),
         budget=read_budget(opts), max_kl=opts.get("max_kl"), method=opts["method"], chunk_size=opts["chunk_size"],
@@ -70,8 +71,10 @@ def read_budget(opts: dict):
     return parse_budget(str(opts["budget"]))
 
 
-def check_session(session, settings) -> None:
-    """Refuse settings that no document could meet with this model, before reading any."""
+def prepare_session(session, settings) -> None:
+    """Refuse settings that no document could meet with this model, before reading any; then make the probe copy
+    the reads will run their probes on (Session.probe_model), once, with the model: a cost of the model (about
+    0.1 s for the default one), not of the first document read."""
     if settings.chunk_size > session.adapter.max_positions:
         raise UsageError(f"invalid --chunk-size {settings.chunk_size}; the model has only"
                          f" {session.adapter.max_positions} positions")
@@ -83,3 +86,5 @@ def check_session(session, settings) -> None:
                             f" (about {format_size(floor)} with the runtime{' and its probe copy' if copy else ''});"
                             f" raise --max-memory{', use --probe-dtype float32' if copy else ''} or use a smaller"
                             " --model")
+    if session.uses_probe_copy(settings):
+        session.probe_model(settings.probe_dtype)

@@ -22,7 +22,7 @@ from klevict_cli.adapter_check import adapter_for
 from klevict_cli.adapters import ModelAdapter
 from klevict_cli.cache import KVCache
 from klevict_cli.documents import Document
-from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, plan_positions
+from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, drift_steps, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
 from klevict_cli.models import LoadedModel, probe_copy
@@ -55,7 +55,9 @@ class ReadSettings:
     max_memory: int | None = None  # bytes; refuse up front what would not fit
     working: float | Budget | None = None  # working limit: × the budget, or a count (None: engine.WORKING_FACTOR)
     reconstruct: bool = False  # judge entries by reconstruction probes too (kl; kvzip always does)
-    measure_drift: bool = False  # measure the last eviction (Engine.measure_drift): the cache's estimated KL
+    # measure the last eviction (Engine.measure_drift): the cache's estimated KL; None: where the read is long enough
+    # for that to be cheap (engine.drift_steps)
+    measure_drift: bool | None = False
     max_kl: float | None = None  # keep the smallest cache (within `budget`, if any) whose estimated KL is at most this
     cache_dtype: str | None = None  # what the cache will be stored as (its drift is measured so); None: as it is
     # keys and values within this many bytes: of float16, int8 and int4 (or `cache_dtype`), each at the budget that
@@ -145,10 +147,24 @@ class Session:
             policy.adopt(self.model_state, self.kv_heads())
         return policy
 
+    @staticmethod
+    def rereads(policy, settings: ReadSettings) -> bool:
+        """Whether `policy` reads with a re-reading of the document (its probes) under `settings`."""
+        return policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
+
+    def uses_probe_copy(self, settings: ReadSettings) -> bool:
+        """Whether a read with `settings` may run forwards on the probe copy (`probe_model`): look-ahead drafts, a
+        re-reading or the drift's samples."""
+        if settings.method == "none" or self.probe_copy_dtype(settings.probe_dtype) is None:
+            return False
+        policy = self.policy(settings.method)
+        measures = settings.measure_drift is not False or settings.max_kl is not None or settings.max_bytes is not None
+        return policy.lookahead > 0 or self.rereads(policy, settings) or measures
+
     def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
                head_cap: int | None = None, storage: dict[str, int | None] | None = None) -> Engine:
         policy = self.policy(method)
-        wanted = policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
+        wanted = self.rereads(policy, settings)
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]
         engine = Engine(
             self.lm.model, self.adapter, policy, budget,
@@ -207,6 +223,8 @@ class Session:
                 settings = replace(settings, working=Budget(tokens=self.working_within(
                     settings.max_memory, plan.budget, WORKING_FACTOR * plan.budget, settings.chunk_size,
                     settings.probe_dtype)))
+        if settings.measure_drift is None:
+            settings = replace(settings, measure_drift=drift_steps(len(ids), asked=False) > 0)
         engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap, storage)
         stream = engine.new_stream()
         per_token = self.bytes_per_token()

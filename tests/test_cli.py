@@ -134,10 +134,12 @@ def model(tiny_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def compressed(work, doc, model) -> tuple[Path, dict]:
-    """The document compressed once with the tiny model (kl, 64 entries per head); never modify this file."""
+    """The document compressed once with the tiny model (kl, 64 entries per head, its drift estimated: the document
+    is too short for that to be the default); never modify this file."""
     out = work / "compressed" / "doc.kvc"
     out.parent.mkdir()
-    summary = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST, "--json"))
+    summary = json_out(invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST, "--json",
+                              "--estimate"))
     return out, summary
 
 
@@ -266,9 +268,29 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert drift["covers"] == "read" and "whole" in plain.stdout  # every eviction, not only the last
 
 
+def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model, tmp_path):
+    """compress measures the drift by default only of a read long enough for the estimate to be cheap next to it
+    (engine.drift_steps: 1,024 tokens); `inspect` says a shorter one's was not measured; --estimate measures it."""
+    from klevict_cli.engine import drift_steps
+
+    short = invoke("compress", doc, "-o", tmp_path / "s.kvc", "--model", model, "--budget", "64", *FAST, "--json")
+    read = json_out(short)
+    assert read["document"]["tokens"] + read["prefix_tokens"] < 1024 and drift_steps(1024, asked=False) > 0
+    assert read["estimated_kl"] is None
+    assert "estimated_kl" not in json_out(invoke("inspect", tmp_path / "s.kvc", "--json"))["metadata"]
+    assert "not measured" in invoke("inspect", tmp_path / "s.kvc").stdout
+    repeats = 1024 // read["document"]["tokens"] + 1
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text("\n\n".join([doc.read_text()] * repeats), encoding="utf-8")
+    long = json_out(invoke("compress", long_doc, "-o", tmp_path / "l.kvc", "--model", model, "--budget", "64",
+                           "--chunk-size", "256", "--json"))
+    assert long["document"]["tokens"] >= 1024 and long["estimated_kl"]["kl"] > 0
+    assert long["estimated_kl"]["drafts"] == 4 * 16
+
+
 def test_summarize_estimates_its_drift_only_when_asked(doc, model, tmp_path):
-    """Measuring costs sampled tokens: on by default for compress (a saved cache), off for summarize, either way
-    with --estimate / --no-estimate."""
+    """Measuring costs sampled tokens: off by default for summarize, on for compress where it is cheap (above);
+    either way with --estimate / --no-estimate."""
     plain = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json"))
     asked = json_out(invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--json", "--estimate"))
     assert plain["estimated_kl"] is None and asked["estimated_kl"]["kl"] > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_calibration
+from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_calibration, drift_steps
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -262,3 +262,10 @@ def test_max_kl_sizes_any_policys_cache(method):
         assert stream.drift["kl"] <= tolerance
         sizes.append(engine.held_per_head(stream))
     assert sizes[0] <= sizes[1] < 160
+
+
+def test_the_estimate_samples_what_the_read_affords():
+    """Per lane, 32 sampled tokens from 16 x 4 x 32 = 2,048 tokens read, 16 from 1,024; below, 16 when the estimate
+    is asked for and none by default (compress's default: its cost would rival the read's)."""
+    assert [drift_steps(n) for n in (4096, 2048, 2047, 1024, 1023, 10)] == [32, 32, 16, 16, 16, 16]
+    assert [drift_steps(n, asked=False) for n in (2048, 1024, 1023, 10)] == [32, 16, 0, 0]

@@ -130,6 +130,32 @@ def test_a_session_makes_one_copy_and_names_its_precision(monkeypatch):
     assert session.probe_precision("auto") == "float32" and session.probe_model("auto") is None
 
 
+def test_the_copy_is_made_with_the_model_for_the_reads_that_probe():
+    """prepare_session makes the probe copy before the first document is read (a cost of the model, not of that
+    read), for the reads that run forwards on it and no others; the engine then uses that copy."""
+    from klevict_cli.options import Budget
+    from klevict_cli.reading import prepare_session
+    from klevict_cli.session import ReadSettings
+    from tests.conftest import tiny_session
+
+    def copies(method: str, **settings) -> int:
+        session = tiny_session()
+        prepare_session(session, ReadSettings(budget=Budget(tokens=32), method=method, probe_dtype="bfloat16",
+                                              **settings))
+        return len(session.probe_copies)
+
+    assert copies("kl") == 1  # its look-ahead drafts
+    assert copies("kvzip") == 1  # a re-reading
+    assert copies("streaming", measure_drift=None) == copies("snapkv", max_kl=0.1) == 1  # the drift's samples
+    assert copies("streaming") == copies("snapkv", reconstruct=True) == copies("none", measure_drift=True) == 0
+    session = tiny_session()
+    settings = ReadSettings(budget=Budget(tokens=32), method="kl", probe_dtype="bfloat16", chunk_size=64)
+    prepare_session(session, settings)
+    made = session.probe_copies[torch.bfloat16]
+    engine = session.engine("kl", 32, settings, "original")
+    assert engine.probe_model is made
+
+
 def test_a_read_that_never_probes_makes_no_copy():
     """The engine asks for its copy only when a probing forward runs: a read that never probes makes none."""
     asked = []
