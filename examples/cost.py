@@ -47,7 +47,7 @@ def timed_feed(session: Session, ids: list[int], method: str, budget: int | None
     """One read of `ids` as the CLI reads (its engine, chunking and working limit; `kl-reconstruct` as `compress`).
 
     `scoped` marks evictions and their model passes for the profiler (op_count's scopes); `estimate`: the read
-    measures its drift (as `compress` does by default); `probe_dtype`: as `--probe-dtype`."""
+    measures its drift (as `compress` does by default from 1,024 tokens); `probe_dtype`: as `--probe-dtype`."""
     engine = session.engine(method, budget, ReadSettings(budget=None, measure_drift=estimate, probe_dtype=probe_dtype),
                             "original")
     if scoped:
@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="raw results (one entry per --tokens)")
     parser.add_argument("--random-weights", action="store_true", help="--model's shape with random weights")
     parser.add_argument("--profile", default=None, help="write a profile of one read per method to this file")
-    parser.add_argument("--estimate", action="store_true", help="the reads measure their drift (compress's default)")
+    parser.add_argument("--estimate", action="store_true", help="the reads measure their drift (compress's default "
+                        "from 1,024 tokens)")
     parser.add_argument("--probe-dtype", default="auto", help="as the commands' --probe-dtype; several (float32,"
                         "bfloat16): each timed against its own full reads, interleaved")
     args = parser.parse_args()

@@ -186,6 +186,8 @@ def _settings(opts: dict) -> dict:
         "cache_dtype": opts.get("cache_dtype"),
         **({"max_kl": settings["max_kl"]} if settings["max_kl"] is not None else {}),  # older manifests have none
         **({"max_bytes": str(settings["max_bytes"])} if settings["max_bytes"] is not None else {}),
+        # --estimate / --no-estimate; the default (where the read is long enough) keeps older manifests' keys
+        **({"measure_drift": settings["measure_drift"]} if settings["measure_drift"] is not None else {}),
     }
 
 

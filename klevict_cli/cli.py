@@ -113,8 +113,8 @@ MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up f
                                                 "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
-                                                 "moved the model (estimated_kl; 4 x 32 sampled tokens, 1-4 s on "
-                                                 "a CPU). Default: on for compress of 1,024 tokens or more, off for summarize.")]
+                                                 "moved the model (estimated_kl; 4 x 16-32 sampled tokens, 1-4 s "
+                                                 "on a CPU). Default: on for compress of 1,024 tokens or more, off for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
                                                "(mean next-token KL, nats per token) is at most this; --budget is "
                                                "then only a cap.")]
@@ -462,6 +462,8 @@ def compress(
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
             f" frame -> {result.plan.budget or 'all'} entries per head{stored} ({result.settings.method},"
             f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
+    if result.stream.drift is not None:
+        line += f"; estimated drift {result.stream.drift['kl']:.3g} ± {result.stream.drift['ci95']:.2g} nats/token"
     if opts["json"]:
         emit_json(summary)
     elif to_stdout:

@@ -111,9 +111,9 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
         table.add_row("estimated drift", f"{drift['kl']:.4g} ± {drift['ci95']:.2g} nats per token (KL against "
                                          f"{against}, on {drift['drafts']} drafted tokens)")
-    elif meta.get("method", "none") != "none":
-        table.add_row("estimated drift", "not measured (compress measures it from 1,024 tokens read, or with "
-                                         "--estimate)")
+    elif meta.get("method", "none") != "none" and meta.get("budget_tokens", "all") != "all":
+        table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "
+                                         "measures it)")
     prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
                                    f"of the chat frame, then the document's) kept by some head, in {info['spans']} "

@@ -153,16 +153,20 @@ class Session:
         return policy.reconstruction == "required" or (policy.reconstruction == "optional" and settings.reconstruct)
 
     def uses_probe_copy(self, settings: ReadSettings) -> bool:
-        """Whether a read with `settings` may run forwards on the probe copy (`probe_model`): look-ahead drafts, a
-        re-reading or the drift's samples."""
+        """Whether a read with `settings` runs forwards on the probe copy (`probe_model`): look-ahead drafts, a
+        re-reading or the drift's samples. A drift measured only where the read turns out long enough (`measure_drift`
+        None) does not count: that read makes the copy itself, where its 0.1 s are little."""
         if settings.method == "none" or self.probe_copy_dtype(settings.probe_dtype) is None:
             return False
         policy = self.policy(settings.method)
-        measures = settings.measure_drift is not False or settings.max_kl is not None or settings.max_bytes is not None
+        chooses_storage = settings.max_bytes is not None and settings.cache_dtype is None
+        measures = settings.measure_drift is True or settings.max_kl is not None or chooses_storage
         return policy.lookahead > 0 or self.rereads(policy, settings) or measures
 
     def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
                head_cap: int | None = None, storage: dict[str, int | None] | None = None) -> Engine:
+        if settings.measure_drift is None:
+            raise ValueError("measure_drift None is resolved per read, by read_tokens")
         policy = self.policy(method)
         wanted = self.rereads(policy, settings)
         closing = self.lm.tokenizer(self.frame.closing, add_special_tokens=False)["input_ids"]

@@ -279,6 +279,9 @@ def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model,
     assert read["estimated_kl"] is None
     assert "estimated_kl" not in json_out(invoke("inspect", tmp_path / "s.kvc", "--json"))["metadata"]
     assert "not measured" in invoke("inspect", tmp_path / "s.kvc").stdout
+    plain = [invoke("compress", doc, "-o", tmp_path / "p.kvc", "--model", model, "--budget", "64", *FAST, *extra)
+             for extra in ([], ["--estimate"])]
+    assert "drift" not in plain[0].stdout and "; estimated drift " in plain[1].stdout  # on its one line
     repeats = 1024 // read["document"]["tokens"] + 1
     long_doc = tmp_path / "long.txt"
     long_doc.write_text("\n\n".join([doc.read_text()] * repeats), encoding="utf-8")
@@ -286,6 +289,9 @@ def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model,
                            "--chunk-size", "256", "--json"))
     assert long["document"]["tokens"] >= 1024 and long["estimated_kl"]["kl"] > 0
     assert long["estimated_kl"]["drafts"] == 4 * 16
+    unmeasured = json_out(invoke("compress", long_doc, "-o", tmp_path / "n.kvc", "--model", model, "--budget", "64",
+                                 "--chunk-size", "256", "--json", "--no-estimate"))
+    assert unmeasured["estimated_kl"] is None and unmeasured["kept_entries"] == long["kept_entries"]
 
 
 def test_summarize_estimates_its_drift_only_when_asked(doc, model, tmp_path):

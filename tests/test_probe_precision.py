@@ -146,14 +146,36 @@ def test_the_copy_is_made_with_the_model_for_the_reads_that_probe():
 
     assert copies("kl") == 1  # its look-ahead drafts
     assert copies("kvzip") == 1  # a re-reading
-    assert copies("streaming", measure_drift=None) == copies("snapkv", max_kl=0.1) == 1  # the drift's samples
+    assert copies("streaming", measure_drift=True) == copies("snapkv", max_kl=0.1) == 1  # the drift's samples
     assert copies("streaming") == copies("snapkv", reconstruct=True) == copies("none", measure_drift=True) == 0
+    assert copies("streaming", measure_drift=None) == 0  # measured only if the read is long: made then, if at all
     session = tiny_session()
     settings = ReadSettings(budget=Budget(tokens=32), method="kl", probe_dtype="bfloat16", chunk_size=64)
     prepare_session(session, settings)
     made = session.probe_copies[torch.bfloat16]
     engine = session.engine("kl", 32, settings, "original")
     assert engine.probe_model is made
+
+
+@pytest.mark.parametrize("method, settings", [
+    ("kl", {}), ("kvzip", {}), ("snapkv", {}), ("streaming", {"measure_drift": True}), ("snapkv", {"max_kl": 0.05}),
+    ("streaming", {"measure_drift": None}), ("snapkv", {"max_bytes": "50%"}),
+    ("snapkv", {"max_bytes": "50%", "cache_dtype": "int8"}),
+])
+def test_the_copy_is_foreseen_exactly_when_a_read_runs_on_it(method, settings):
+    """`Session.uses_probe_copy` says beforehand what a read then does: it asks for the probe copy (a 150-token read,
+    too short for a default drift estimate) exactly when that was foreseen."""
+    from klevict_cli.options import Budget, parse_byte_limit
+    from klevict_cli.session import ReadSettings
+    from tests.conftest import tiny_session
+
+    session = tiny_session()
+    if "max_bytes" in settings:
+        settings = {**settings, "max_bytes": parse_byte_limit(settings["max_bytes"])}
+    read = ReadSettings(budget=Budget(tokens=24), method=method, probe_dtype="bfloat16", chunk_size=CHUNK, **settings)
+    foreseen = session.uses_probe_copy(read)
+    session.read_tokens(list(range(3, 150)), read)
+    assert bool(session.probe_copies) == foreseen
 
 
 def test_a_read_that_never_probes_makes_no_copy():
