@@ -462,8 +462,7 @@ def compress(
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
             f" frame -> {result.plan.budget or 'all'} entries per head{stored} ({result.settings.method},"
             f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
-    if result.stream.drift is not None:
-        line += f"; estimated drift {result.stream.drift['kl']:.3g} ± {result.stream.drift['ci95']:.2g} nats/token"
+    line += drift_text(result.stream.drift)
     if opts["json"]:
         emit_json(summary)
     elif to_stdout:
@@ -512,6 +511,11 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
         raise typer.Exit(batch.EXIT_SOME_FAILED)
 
 
+def drift_text(drift: dict | None) -> str:
+    """A compress line's end: the cache's estimated drift, where it was measured."""
+    return "" if drift is None else f"; estimated drift {drift['kl']:.3g} ± {drift['ci95']:.2g} nats/token"
+
+
 def report_record(opts: dict, record: dict) -> None:
     for line in record.get("notes", ()):
         note(opts, f"note: {line}")
@@ -523,7 +527,8 @@ def report_record(opts: dict, record: dict) -> None:
         echo(f"skipped {record['source']}: {record['kvc']} is up to date")
     else:
         echo(f"wrote {record['kvc']} from {record['source']}: {record['document_tokens']} tokens, "
-             f"{record['kept_entries']} entries kept, {record['bytes'] / 1e6:.2f} MB in {record['seconds']:.1f} s")
+             f"{record['kept_entries']} entries kept, {record['bytes'] / 1e6:.2f} MB in {record['seconds']:.1f} s"
+             + drift_text(record.get("estimated_kl")))
 
 
 def check_stdout_for_binary(opts: dict) -> None:

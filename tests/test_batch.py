@@ -89,6 +89,23 @@ def test_batch_writes_one_kvc_per_document_and_a_manifest(corpus, model, tmp_pat
     assert "5 compressed, 0 already done, 0 failed" in result.stderr
 
 
+def test_a_batch_records_each_caches_drift_and_redoes_it_when_asked_to_measure(corpus, model, tmp_path):
+    """The drift is in the manifest and on the plain line where measured (these notes are too short for the
+    default to measure it); --estimate is part of what a re-run compares, so asking for it redoes the documents."""
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH]
+    plain = invoke(*args)
+    assert_ok(plain)
+    assert "drift" not in plain.stdout and all("estimated_kl" not in r for r in manifest(out))
+    measured = invoke(*args, "--estimate")
+    assert_ok(measured)
+    assert measured.stdout.count("; estimated drift ") == 2
+    records = manifest(out)[2:]
+    assert len(records) == 2 and all(r["status"] == "ok" and r["estimated_kl"]["kl"] > 0 for r in records)
+    again = invoke(*args, "--estimate", "--json")
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+
+
 def test_a_bad_document_is_recorded_and_the_batch_goes_on(corpus, model, tmp_path):
     (corpus / "binary.txt").write_bytes(b"\x00\x01\x02" * 50)
     out = tmp_path / "out"
