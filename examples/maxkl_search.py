@@ -36,7 +36,7 @@ def record(args) -> None:
     def measure_every_budget(self, stream, step, scores, recent, keep, targets, drafted):
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, engine_module.sink_count(most) + recent + 1)
-        drifts, predicted, _, _ = self._tolerance_trials(stream, step, scores, recent, keep, targets, drafted)
+        drifts, predicted, _, _, _ = self._tolerance_trials(stream, step, scores, recent, keep, targets, drafted)
         curve = [[budget, drifts(budget), predicted(budget),  # and whether that budget's cache is refit
                   bool(self._at_budget(stream, step, scores, recent, budget, targets)[1])]
                  for budget in sorted({*range(least, min(most, 128) + 1), *range(128, most + 1, 2), most})]

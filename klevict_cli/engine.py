@@ -521,7 +521,10 @@ class Engine:
                 drafted: Continuation | None) -> None:
         """`_keep_best`, at the budget the tolerance allows where the read's last eviction is under `max_kl`."""
         if step.final and self.max_kl is not None and drafted is not None:
-            budget, stream.drift = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
+            budget, stream.drift, evicted = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
+            if evicted is not None:  # the search measured a copy evicted to that budget: evicting again redoes it
+                stream.cache, stream.next_rope = evicted.cache, evicted.next_rope
+                return
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         elif step.final and self.chooses_storage:
             if drafted is not None:
@@ -542,35 +545,39 @@ class Engine:
         return self.policy.at_budget(at, dict(scores)), targets if refit else None
 
     def _budget_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
-                       keep: range, targets: dict | None, drafted: Continuation) -> tuple[int, dict | None]:
+                       keep: range, targets: dict | None, drafted: Continuation
+                       ) -> tuple[int, dict | None, Stream | None]:
         """The smallest budget (entries per head, within the engine's budget if it has one) whose cache drifts at
-        most `max_kl` on the sampled continuation, to 5 % of it (tolerance.smallest_within): each budget measured is
+        most `max_kl` on the sampled continuation, to 10 % of it (tolerance.smallest_within): each budget measured is
         an eviction of a copy of the stream and one forward of the continuation; the next one is placed by the
         summed scores of what each budget would evict, which cost no forward. The largest, where even it drifts
-        further. Returns it and its drift as measured (what the stream's eviction to it would measure again; None
-        where it was not measured)."""
+        further. Returns it, its drift as measured (what the stream's eviction to it would measure again; None
+        where it was not measured) and the copy evicted to it (None where it was not measured)."""
         most = self.budget if self.budget is not None else stream.next_position
         least = min(most, sink_count(most) + recent + 1)
-        drifts, predicted, kept, measured = self._tolerance_trials(stream, step, scores, recent, keep, targets, drafted)
+        drifts, predicted, kept, measured, within = self._tolerance_trials(stream, step, scores, recent, keep, targets,
+                                                                           drafted)
         # a cache that keeps every entry held (its values as they are: a refit over the whole softmax changes
         # nothing), stored as it is, drifts 0: nothing to measure
         unchanged = bool(kept(most).eq(LayerStack.of(self._scored_layers(stream)).valid).all()) \
             and stream.stored_as is None and not drafted.evicted_before
         budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
-        return budget, measured.get(budget)
+        return budget, measured.get(budget), within.get(budget)
 
     def _tolerance_trials(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                           keep: range, targets: dict | None, drafted: Continuation):
         """What `_budget_within` asks of a budget (examples/maxkl_search.py records them for every budget):
         `drifts(budget)`, the drift of the cache an eviction to it keeps, measured (a copy of the stream evicted with
-        its refit, then the sampled continuation over it; each kept in `measured`); `predicted(budget)`, the
-        budget-free scores of the entries it evicts, summed (a selection alone, no forward); `kept(budget)`, that
-        selection's (L, H, C) masks."""
+        its refit, then the sampled continuation over it; each kept in `measured`, and the copy of the smallest
+        budget measured within `max_kl` in `within`, which the search returns if it ends there);
+        `predicted(budget)`, the budget-free scores of the entries it evicts, summed (a selection alone, no forward);
+        `kept(budget)`, that selection's (L, H, C) masks."""
         held = LayerStack.of(self._scored_layers(stream))
         budget_free = held.stack(scores).nan_to_num(0.0, 0.0, 0.0).clamp(min=0).masked_fill(~held.valid, 0)
         masks: dict[int, torch.Tensor] = {}
         evicted: dict[int, float] = {}
         measured: dict[int, dict] = {}
+        within: dict[int, Stream] = {}  # at most one copy held besides the stream
 
         def kept(budget: int) -> torch.Tensor:
             if budget not in masks:
@@ -588,9 +595,12 @@ class Engine:
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
             measured[budget] = self.measure_drift(self.as_stored(trial), drafted)
+            if self.max_kl is not None and measured[budget]["kl"] <= self.max_kl and all(budget < b for b in within):
+                within.clear()
+                within[budget] = trial
             return measured[budget]["kl"]
 
-        return drifts, predicted, kept, measured
+        return drifts, predicted, kept, measured, within
 
     def _storage_within(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                         keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int, dict]:

@@ -188,6 +188,11 @@ def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
 
 
 def read_within(max_kl: float, budget: int | None = None, reread: bool = False):
+    engine, stream = stream_within(max_kl, budget, reread)
+    return engine.held_per_head(stream), stream.drift["kl"]
+
+
+def stream_within(max_kl: float, budget: int | None = None, reread: bool = False, mode: str = "original"):
     from klevict_cli.probes import Reconstruction
 
     model = tiny_llama(seed=3)
@@ -195,11 +200,11 @@ def read_within(max_kl: float, budget: int | None = None, reread: bool = False):
     ids = torch.randint(0, 300, (160,)).tolist()
     source = Reconstruction([5, 6], [7], [8], span=32, sees="span") if reread else None
     engine = Engine(model, adapter_for(model), KL(lookahead=16), budget=budget, chunk_size=64, probe_window=8,
-                    max_kl=max_kl, reconstruction=source)
+                    max_kl=max_kl, reconstruction=source, mode=mode)
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert stream.tokens == ids
-    return engine.held_per_head(stream), stream.drift["kl"]
+    return engine, stream
 
 
 @pytest.mark.parametrize("reread", [False, True])
@@ -242,6 +247,29 @@ def test_max_kl_keeps_the_drift_it_measured_for_the_budget_it_chose(monkeypatch,
     sizes = [held for held, _ in measured]
     assert 1 < len(measured) == len(set(sizes)) and 160 not in sizes
     assert (size, drift) in measured and drift <= loose / 4
+
+
+@pytest.mark.parametrize("reread, mode", [(False, "original"), (True, "original"), (False, "compact")])
+def test_max_kl_keeps_the_copy_it_measured_as_evicting_again_would(monkeypatch, reread, mode):
+    """The search's copy evicted to the budget it settles on becomes the cache (no second eviction and refit): the
+    same entries, keys, values and positions, and the same next logits, as evicting the stream to that budget."""
+    _, loose = read_within(1e9, reread=reread)
+    kept = stream_within(loose / 4, reread=reread, mode=mode)
+    chosen = Engine._budget_within
+
+    def evicting_again(self, *args):
+        budget, drift, copy = chosen(self, *args)
+        assert copy is not None  # the search measured the budget it settled on
+        return budget, drift, None
+
+    monkeypatch.setattr(Engine, "_budget_within", evicting_again)
+    again = stream_within(loose / 4, reread=reread, mode=mode)
+    assert kept[1].next_rope == again[1].next_rope
+    for a, b in zip(kept[1].cache.layers, again[1].cache.layers):
+        for name in ("positions", "rope_positions", "keys", "values"):
+            torch.testing.assert_close(getattr(a, name)[a.valid], getattr(b, name)[b.valid], rtol=0, atol=0)
+    logits = [engine.forward(stream, [11, 12, 13], logits_rows=3)[0] for engine, stream in (kept, again)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "streaming", "random"])
