@@ -114,7 +114,8 @@ MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up f
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
                                                  "moved the model (estimated_kl; 4 x 16-32 sampled tokens, 1-4 s "
-                                                 "on a CPU). Default: on for compress of 1,024 tokens or more, off for summarize.")]
+                                                 "on a CPU). Default: on for compress of 1,024 tokens or more, off "
+                                                 "for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
                                                "(mean next-token KL, nats per token) is at most this; --budget is "
                                                "then only a cap.")]
