@@ -42,7 +42,7 @@ def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
         engine.DRIFT_LANES, engine.DRIFT_CHEAP = lanes, 0
 
     Path(f"{out}.tokens.jsonl").unlink(missing_ok=True)
-    token_kl, measure = engine.token_kl, engine.Engine.measure_drift
+    token_kl, measure = engine.ReferenceDistributions.kl, engine.Engine.measure_drift
     last = {}
 
     def recorded_kl(reference, logits):
@@ -56,7 +56,7 @@ def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
                                 "per_token": last["kl"].tolist()}) + "\n")
         return drift
 
-    engine.token_kl, engine.Engine.measure_drift = recorded_kl, measured
+    engine.ReferenceDistributions.kl, engine.Engine.measure_drift = recorded_kl, measured
     sys.argv = ["klevict", "bench", *bench_args, "--out", f"{out}.json"]
     app()
 

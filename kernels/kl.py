@@ -19,10 +19,41 @@ from __future__ import annotations
 import torch
 
 
+class ReferenceDistributions:
+    """Next-token distributions (M, V) that others are measured against, prepared once: the drift of every cache
+    a `--max-kl` search tries is measured against the same ones. KL(p ‖ q) = log Σ_v p_v e^(d_v) − Σ_v p_v d_v with
+    d = z_q − z_p, the change of the logits: both terms are formed from that change, which is small where the
+    distributions are close, so float32 passes hold the KL to about 1e-6 nats (the reference's log-probabilities
+    are normalised in float64 first) where subtracting two log-softmaxes needed float64 — 2.7x faster over 64 rows of
+    a 262,144-token vocabulary on a CPU."""
+
+    def __init__(self, logits: torch.Tensor):
+        exact = logits.double().log_softmax(dim=-1)
+        self.logits = logits.float()
+        self.log_probs = exact.float()
+        self.probs = exact.exp().float()
+        # what the float32 log-probabilities' own sum misses of 1 (the change's sum is taken the same way): a
+        # distribution measured against itself is 0 exactly
+        self.log_total = torch.logsumexp(self.log_probs, dim=-1)
+        self.top = exact.argmax(dim=-1, keepdim=True)  # each row's likeliest token
+
+    def kl(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per row, KL(p_reference ‖ p) in nats (float64) of the distributions `logits` (M, V) give."""
+        return self.kl_of_change(logits.float() - self.logits)
+
+    def kl_of_change(self, change: torch.Tensor) -> torch.Tensor:
+        """The same, from the logits' change alone (M, V): where only the change is computed (Engine.measure_drift)."""
+        # measured from the likeliest token's change: a shift of every logit moves no probability, and left in it
+        # would cost float32 digits
+        change = change.float()
+        change = change - change.gather(-1, self.top)
+        moved = torch.logsumexp(self.log_probs + change, dim=-1) - self.log_total - (self.probs * change).sum(dim=-1)
+        return moved.double().clamp(min=0)
+
+
 def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per row, KL(p_reference ‖ p) in nats (float64): how far `logits` (M, V) moved from `reference_logits`."""
-    reference, moved = reference_logits.double().log_softmax(dim=-1), logits.double().log_softmax(dim=-1)
-    return (reference.exp() * (reference - moved)).sum(dim=-1).clamp(min=0)
+    return ReferenceDistributions(reference_logits).kl(logits)
 
 
 def removal_coefficients(weights: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:

@@ -34,7 +34,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
 def self_check(model: nn.Module, adapter: ModelAdapter) -> None:
     """Raise ModelError unless the Llama-style `adapter` fits `model`, on 16 tokens: read in two chunks through
     klevict's cache and attention they give the model's own (eager) logits, as do logits finished from its output
-    head's (`Engine.sampled_logits`); read 16 positions later, their keys are
+    head's (`Engine.head_logits`); read 16 positions later, their keys are
     the re-rotated ones (`compact` mode); and a change of an attention output moves the logits exactly as the same
     change of the residual stream does — what the direct KL path assumes (a norm in between breaks it)."""
     param = next(model.parameters())

@@ -63,7 +63,7 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     assert stream.drift["kl"] == calibration * stream.drift["sampled_kl"]
     lanes = kl.view(-1, drafted.lanes).mean(dim=0)  # the interval is over the lanes' means
     assert stream.drift["ci95"] == pytest.approx(calibration * 1.96 * float(lanes.std()) / DRIFT_LANES ** 0.5,
-                                                 rel=1e-4)
+                                                 rel=1e-4, abs=1e-7)  # KL in float32 passes: to ~1e-6 nats
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
     assert read(40)[1].drift == stream.drift
 

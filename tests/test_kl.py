@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from klevict_kernels.kl import direct_readout, kl_scores, removal_coefficients, to_head_space, top_eigenvectors
+from klevict_kernels.kl import ReferenceDistributions, direct_readout, kl_scores, removal_coefficients, to_head_space, top_eigenvectors
 from klevict_cli.adapter_check import adapter_for
 from klevict_cli.cache import KVCache, LayerCache, LayerStack, Stacked
 from klevict_cli.engine import Engine
@@ -30,6 +30,22 @@ def test_removing_one_entry_changes_the_head_output_by_the_closed_form():
         o_without = (keys[keep] @ q / 4).softmax(0) @ values[keep]
         expected = removal_coefficients(a[j : j + 1])[0] * (o - values[j])
         assert torch.allclose(o_without - o, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("shift", [0.0, 7.5])
+def test_the_prepared_reference_measures_kl_as_float64_log_softmaxes_do(shift):
+    # what a --max-kl search measures each cache with: float32 passes over the change of the logits, held to the
+    # float64 formula (a per-row shift of the logits changes no distribution, and must not change the KL either)
+    torch.manual_seed(0)
+    reference = torch.randn(6, 50_000) * 4
+    moved = torch.cat((reference[:2], reference[2:4] + 0.05 * torch.randn(2, 50_000),
+                       reference[4:] + 2.0 * torch.randn(2, 50_000))) + shift
+    ref64, moved64 = reference.double().log_softmax(-1), moved.double().log_softmax(-1)
+    exact = (ref64.exp() * (ref64 - moved64)).sum(-1)
+    got = ReferenceDistributions(reference).kl(moved)
+    assert got.dtype == torch.float64 and exact[:2].abs().max() < 1e-12
+    assert torch.allclose(got, exact, rtol=1e-4, atol=2e-6)
+    assert got[4:].min() > 1.0 and got[2:4].max() < 0.1  # a large change and a small one, each where it belongs
 
 
 @pytest.mark.parametrize("block_bytes", [None, 400])  # 400 bytes: blocks of 2 entries, the last one ragged

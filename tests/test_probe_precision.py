@@ -91,6 +91,23 @@ def test_the_drift_is_measured_on_the_model_though_its_tokens_were_sampled_on_th
     assert stream.drift["kl"] > 0
 
 
+def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monkeypatch):
+    """With a probe copy, the continuation's logits after the choice are not computed whole: the change of the
+    model's head inputs goes through the copy's head (Engine.head_change), and the KL from that change is the
+    model's own KL over the chosen cache, lane by lane, to within bfloat16's rounding of the change (which the KL feels only to second order)."""
+    seen = []
+    measure = Engine.measure_drift
+    monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
+        self, stream, drafted))
+    engine, stream, *_ = read(torch.bfloat16, context=120)
+    drafted = seen[0]
+    assert drafted.head_inputs is not None and drafted.head_inputs.shape[0] == len(drafted.tokens) - 1
+    after = lane_by_lane(engine, stream, drafted)  # the model's full logits over the chosen cache
+    p, q = drafted.logits.double().log_softmax(-1), after.double().log_softmax(-1)
+    exact = float((p.exp() * (p - q)).sum(-1).mean())
+    assert exact > 1e-3 and stream.drift["sampled_kl"] == pytest.approx(exact, rel=1e-3)
+
+
 def test_the_read_itself_runs_on_the_model():
     """A read's own logits are the model's whatever runs its probes (a read of 120 tokens evicts once, at its end);
     nothing evicted, no copy is made."""
