@@ -94,7 +94,8 @@ def test_the_drift_is_measured_on_the_model_though_its_tokens_were_sampled_on_th
 def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monkeypatch):
     """With a probe copy, the continuation's logits after the choice are not computed whole: the change of the
     model's head inputs goes through the copy's head (Engine.head_change), and the KL from that change is the
-    model's own KL over the chosen cache, lane by lane, to within bfloat16's rounding of the change (which the KL feels only to second order)."""
+    model's own KL over the chosen cache, lane by lane, to within bfloat16's rounding of the change (the KL's
+    slope in the change is small where the caches are close)."""
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
