@@ -142,6 +142,12 @@ DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse
 EVICTED_BYTES = 1 << 30
 
 
+def measures_drift(asked: bool, max_kl: float | None, chooses_storage: bool) -> bool:
+    """Whether a read measures its drift: where asked, and always where a tolerance or a choice of storage is judged
+    by it (the engine's rule, which `Session.uses_probe_copy` foresees before any engine exists)."""
+    return asked or max_kl is not None or chooses_storage
+
+
 def drift_steps(tokens: int, asked: bool = True) -> int:
     """Tokens per lane that the drift estimate of a read of `tokens` samples: DRIFT_DRAFTS where the read is at least
     DRIFT_CHEAP times the lanes' tokens, half of it where that is cheap, and where even that is not, half of it if the
@@ -242,8 +248,8 @@ class Engine:
         # cache drifts least (`_storage_within`)
         self.storage = dict(storage or {})
         self.chooses_storage = len(self.storage) > 1 and policy.evicts
-        measure_drift = measure_drift or max_kl is not None or self.chooses_storage
-        self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measure_drift else None
+        measuring = measures_drift(measure_drift, max_kl, self.chooses_storage)
+        self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measuring else None
         self.drift_points = drift_points or DRIFT_CALIBRATION  # the model's own, where it has one (calibrations.py)
         self.evicted_bytes = evicted_bytes  # the most of what it evicts a read sets aside to measure its drift
         observes = policy.observes_read(self.reconstruction is not None)

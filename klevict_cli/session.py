@@ -22,7 +22,7 @@ from klevict_cli.adapter_check import adapter_for
 from klevict_cli.adapters import ModelAdapter
 from klevict_cli.cache import KVCache
 from klevict_cli.documents import Document
-from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, drift_steps, plan_positions
+from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, drift_steps, measures_drift, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
 from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
 from klevict_cli.models import LoadedModel, probe_copy
@@ -160,7 +160,7 @@ class Session:
             return False
         policy = self.policy(settings.method)
         chooses_storage = settings.max_bytes is not None and settings.cache_dtype is None
-        measures = settings.measure_drift is True or settings.max_kl is not None or chooses_storage
+        measures = measures_drift(settings.measure_drift is True, settings.max_kl, chooses_storage)
         return policy.lookahead > 0 or self.rereads(policy, settings) or measures
 
     def engine(self, method: str, budget: int | None, settings: ReadSettings, mode: str,
