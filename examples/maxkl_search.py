@@ -41,7 +41,7 @@ def record(args) -> None:
                   bool(self._at_budget(stream, step, scores, recent, budget, targets)[1])]
                  for budget in sorted({*range(least, min(most, 128) + 1), *range(128, most + 1, 2), most})]
         curves.append({"least": least, "most": most, "curve": curve})
-        return most, None
+        return most, None, None
 
     engine_module.Engine._budget_within = measure_every_budget
     lm = load_model(args.model, device="cpu", dtype="float32", attn_implementation=ATTENTION_NAME, quiet=True)
