@@ -336,7 +336,6 @@ class Engine:
             logits = torch.cat((self.head_logits(self.probe_model, ctx.sampled_inputs).to(logits.dtype), logits))
         return logits, ctx
 
-
     # ---- reading with eviction -----------------------------------------------------------------------------
     def feed(
         self, stream: Stream, ids: list[int], evict: bool = True, progress: Callable[[int], None] | None = None
