@@ -7,6 +7,7 @@ oracle, and re-rotation against the model's own keys (or, for absolute positions
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -677,3 +678,24 @@ def test_probes_on_a_bfloat16_copy_read_every_family(family):
         assert stream.tokens == ids and engine.held_per_head(stream) <= 20
         assert math.isfinite(stream.drift["kl"]) and stream.drift["kl"] >= 0
     assert engine.probe_model is copy and torch.equal(ends[0], ends[1])
+
+
+def test_the_drift_through_the_copys_head_is_each_familys_own_kl(family, monkeypatch):
+    """With a bfloat16 probe copy, the drift is taken from the change of the model's head inputs through the copy's
+    head (Engine.head_change) where the head is linear: the same measurement with whole logits from the model
+    (the continuation without its head inputs) gives the same KL, to the rounding of the change."""
+    _, model, adapter = family
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    copy = probe_copy(model, torch.bfloat16)
+    seen = []
+    measure = Engine.measure_drift
+    monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
+        self, stream, drafted))
+    engine = Engine(model, adapter, KL(lookahead=8), budget=20, chunk_size=48, probe_window=8, measure_drift=True,
+                    probe_model=lambda: copy)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert (seen[0].head_inputs is None) == (adapter.logit_softcap is not None)
+    whole = measure(engine, stream, dataclasses.replace(seen[0], head_inputs=None))
+    assert stream.tokens == ids and whole["sampled_kl"] > 1e-4
+    assert stream.drift["sampled_kl"] == pytest.approx(whole["sampled_kl"], rel=1e-3)
