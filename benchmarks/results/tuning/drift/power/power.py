@@ -6,14 +6,21 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[5]
 sys.path.insert(0, str(ROOT / "examples")); sys.path.insert(0, str(ROOT))
 from drift_lanes import pairs
 D = str(ROOT / "benchmarks/results/tuning/drift/lanes") + "/"
-groups = {"smol 512": ["lanes4-moby-512", "lanes4-hamlet-512"], "smol 1024": ["lanes4-moby-1024", "lanes4-hamlet-1024"],
-          "smol 4096": ["lanes4-moby-4096", "lanes4-hamlet-4096"], "gemma 512": ["lanes4-gemma-moby-512", "lanes4-gemma-hamlet-512"]}
+HERE = str(ROOT / "benchmarks/results/tuning/drift/power") + "/"  # the seed-0 runs recorded for this fit (record.sh)
+groups = {"smol 256": [HERE + "lanes4-smol-moby-256", HERE + "lanes4-smol-hamlet-256"],
+          "smol 512": ["lanes4-moby-512", "lanes4-hamlet-512"], "smol 1024": ["lanes4-moby-1024", "lanes4-hamlet-1024"],
+          "smol 4096": ["lanes4-moby-4096", "lanes4-hamlet-4096"],
+          "gemma 256": [HERE + "lanes4-gemma-moby-256", HERE + "lanes4-gemma-hamlet-256"],
+          "gemma 512": ["lanes4-gemma-moby-512", "lanes4-gemma-hamlet-512"]}
+import os
+groups = {g: outs for g, outs in groups.items() if all(os.path.exists((o if o.startswith("/") else D + o) + ".json")
+                                                        for o in outs)}
 data = {}
 for g, outs in groups.items():
     steps = 32 if "4096" in g else 16
     xs = []
     for o in outs:
-        for measured, grid in pairs(D + o):
+        for measured, grid in pairs(o if o.startswith("/") else D + o):
             s = statistics.fmean(v for row in grid[:steps] for v in row)
             xs.append((math.log(s), math.log(measured)))
     data[g] = xs
