@@ -42,21 +42,22 @@ def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
         engine.DRIFT_LANES, engine.DRIFT_CHEAP = lanes, 0
 
     Path(f"{out}.tokens.jsonl").unlink(missing_ok=True)
-    token_kl, measure = engine.ReferenceDistributions.kl, engine.Engine.measure_drift
+    token_kl, measure = engine.ReferenceDistributions.kl_of_change, engine.Engine.measure_drift
     last = {}
 
-    def recorded_kl(reference, logits):
-        last["kl"] = token_kl(reference, logits)
+    def recorded_kl(reference, change):
+        last["kl"] = token_kl(reference, change)
         return last["kl"]
 
-    def measured(self, stream, drafted):
+    def measured(self, stream, drafted):  # the KL taken inside it, not the bench's own of the real continuation
+        last.clear()
         drift = measure(self, stream, drafted)
         with open(f"{out}.tokens.jsonl", "a") as f:
             f.write(json.dumps({"kl": drift["kl"], "sampled_kl": drift["sampled_kl"], "lanes": drafted.lanes,
                                 "per_token": last["kl"].tolist()}) + "\n")
         return drift
 
-    engine.ReferenceDistributions.kl, engine.Engine.measure_drift = recorded_kl, measured
+    engine.ReferenceDistributions.kl_of_change, engine.Engine.measure_drift = recorded_kl, measured
     sys.argv = ["klevict", "bench", *bench_args, "--out", f"{out}.json"]
     app()
 
