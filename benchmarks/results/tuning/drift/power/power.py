@@ -22,7 +22,8 @@ for g, outs in groups.items():
     for o in outs:
         for measured, grid in pairs(o if o.startswith("/") else D + o):
             s = statistics.fmean(v for row in grid[:steps] for v in row)
-            xs.append((math.log(s), math.log(measured)))
+            if s > 0:  # a cache that keeps every entry drifts 0 on the samples
+                xs.append((math.log(s), math.log(measured)))
     data[g] = xs
 def fit(groups_used):
     # common slope, per-group intercepts: within-group centred least squares
