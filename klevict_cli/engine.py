@@ -144,7 +144,8 @@ EVICTED_BYTES = 1 << 30
 
 def measures_drift(asked: bool, max_kl: float | None, chooses_storage: bool) -> bool:
     """Whether a read measures its drift: where asked, and always where a tolerance or a choice of storage is judged
-    by it (the engine's rule, which `Session.uses_probe_copy` foresees before any engine exists)."""
+    by it (the engine's rule; `Session.uses_probe_copy` asks it before any engine exists, with the storage choice as
+    the settings foretell it)."""
     return asked or max_kl is not None or chooses_storage
 
 
@@ -180,7 +181,7 @@ class Continuation:
     whole: bool = True  # sampled over every entry the read produced, not only those held at its last eviction
     evicted_before: bool = False  # entries evicted before the last eviction are in it: keeping all held still drifts
     # (len(tokens) - 1, d): the output head's inputs for all rows but the last, where the model's head is linear and a
-    # probe copy holds it at a cheaper precision (`Engine.measure_drift` computes the logits' change from them)
+    # probe copy holds it at a narrower dtype (`Engine.measure_drift` computes the logits' change from them)
     head_inputs: torch.Tensor | None = None
 
     @functools.cached_property
@@ -665,8 +666,10 @@ class Engine:
         head_inputs = None
         if self.probe_model is not None and tokens:  # sampled on the probe copy: their logits from the model itself
             self.forget_drafts(reference, len(tokens))
+            # the change through the copy's head where that head is linear and narrower than the model's
+            narrower = torch.finfo(self.probe_dtype).bits < torch.finfo(self.dtype).bits
             last, ctx = self.forward(reference, tokens, logits_rows=len(tokens), probing=True, measuring=True,
-                                     lanes=lanes, head_inputs=self.adapter.logit_softcap is None)
+                                     lanes=lanes, head_inputs=narrower and self.adapter.logit_softcap is None)
             head_inputs = ctx.sampled_inputs
             rows = [last] if head_inputs is None else [self.head_logits(self.model, head_inputs), last]
         if reference is stream:
@@ -692,7 +695,7 @@ class Engine:
                                   measuring=True, lanes=lanes, head_inputs=cheap)
         self.forget_drafts(stream, len(drafted.tokens))
         if cheap:  # the logits' change through the probe copy's head: its rounding scales with the change
-            moved = self.head_change(ctx.sampled_inputs - drafted.head_inputs)
+            moved = self.head_change(ctx.sampled_inputs.float() - drafted.head_inputs.float())
             kl = drafted.before.kl_of_change(torch.cat((moved, after.float() - drafted.logits[-1:].float())))
         else:
             kl = drafted.before.kl(after)

@@ -685,6 +685,20 @@ def test_the_drift_through_the_copys_head_is_each_familys_own_kl(family, monkeyp
     head (Engine.head_change) where the head is linear: the same measurement with whole logits from the model
     (the continuation without its head inputs) gives the same KL, to the rounding of the change."""
     _, model, adapter = family
+    drift_through_the_copys_head(model, adapter, monkeypatch)
+
+
+def test_the_drift_through_the_copys_head_for_gemma3_without_soft_capping(monkeypatch):
+    """Gemma 3 as released caps no logits (the tiny one above does, to exercise the cap): its head is linear, and
+    the change goes through the copy's head."""
+    model = build("gemma3")
+    model.config.final_logit_softcapping = None
+    adapter = adapter_for(model)
+    assert adapter.logit_softcap is None
+    drift_through_the_copys_head(model, adapter, monkeypatch)
+
+
+def drift_through_the_copys_head(model, adapter, monkeypatch):
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     copy = probe_copy(model, torch.bfloat16)
     seen = []
