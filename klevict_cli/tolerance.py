@@ -21,6 +21,11 @@ PRECISION = 10
 # Drift over summed scores where nothing is measured yet; it only places the first trial. Near the median of the
 # 512-token tuning windows (`kl`, both texts: 0.52 pooled; replayed, 0.4-0.55 change the mean count by under 0.3).
 PRIOR_RATIO = 0.4
+# The power law's exponent through a single measurement, and the range an exponent fitted through two is held to
+# (two noisy measurements close together must not send the next trial far off); replayed variants of these in
+# benchmarks/results/tuning/maxkl-search/replay_variants.py
+BETA_THROUGH_ONE = 1.0
+BETA_BOUNDS = (0.25, 4.0)
 
 
 def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], float] | None, least: int, most: int,
@@ -61,16 +66,17 @@ def _guess(measured: dict[int, float], predicted: Callable[[int], float], lo: in
     if not predicted(lo + 1) > predicted(hi):  # the guide does not fall across the bracket: it cannot place one
         return (lo + hi) // 2
     # the power law through the bracket's ends where both were measured (so it interpolates), else through the two
-    # measurements nearest the tolerance (beta = 1 through one)
+    # measurements nearest the tolerance (BETA_THROUGH_ONE through one)
     usable = {b: d for b, d in measured.items() if d > 0 and predicted(b) > 0}
     pair = [(b, usable[b]) for b in (lo, hi) if b in usable]
     if len(pair) < 2:
         pair = sorted(usable.items(), key=lambda p: abs(math.log(p[1] / tolerance)))[:2]
     anchor = pair[0] if pair else None
-    beta = 1.0
+    beta = BETA_THROUGH_ONE
     if len(pair) == 2 and predicted(pair[0][0]) != predicted(pair[1][0]):
         (b1, d1), (b2, d2) = pair
-        beta = min(4.0, max(0.25, math.log(d1 / d2) / math.log(predicted(b1) / predicted(b2))))
+        low, high = BETA_BOUNDS
+        beta = min(high, max(low, math.log(d1 / d2) / math.log(predicted(b1) / predicted(b2))))
     if anchor is None:
         target = tolerance / PRIOR_RATIO
     else:
