@@ -12,14 +12,16 @@ A file may also carry the model's `copy_share` (kl's share of the budget for the
 re-reading needs), where it was measured to differ from the default: the estimate's worth belongs to the model too
 (docs/method.md, "the copy share is the model's"); and its `relied_on`, where the model's re-reading relies on so
 much of a document that its scores stop telling which entries it needs more (`KL.relied_on`). And its
-`drift_calibration` (as engine.DRIFT_CALIBRATION: measured over sampled KL by read length), where the model's own
-samples stand in for the text that follows differently from the default model's.
+`drift_calibration` (as engine.DRIFT_CALIBRATION: a scale by read length and a `drift_slope`), where the model's
+own samples stand in for the text that follows differently from the default model's.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from klevict_cli.engine import DriftCalibration
 
 FOLDER = Path(__file__).parent / "model_calibrations"
 
@@ -33,12 +35,13 @@ def shipped_file(weights_sha256: str) -> dict | None:
     return None
 
 
-def drift_points(data: dict | None) -> tuple[tuple[int, float], ...] | None:
-    """A calibration file's drift calibration — (read length, measured / sampled KL) points, as
-    `engine.DRIFT_CALIBRATION` — where the model has its own; None for the engine's."""
+def drift_calibration(data: dict | None) -> DriftCalibration | None:
+    """A calibration file's drift calibration — (read length, scale) points and a slope (1 where it has none) — where
+    the model has its own; None for the engine's."""
     if data is None or "drift_calibration" not in data:
         return None
-    return tuple((int(n), float(c)) for n, c in data["drift_calibration"])
+    points = tuple((int(n), float(c)) for n, c in data["drift_calibration"])
+    return DriftCalibration(points, float(data.get("drift_slope", 1.0)))
 
 
 def state_of(data: dict) -> dict[str, str]:

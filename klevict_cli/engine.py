@@ -128,14 +128,6 @@ DRIFT_DRAFTS = 32
 DRIFT_LANES = 4
 DRIFT_CHEAP = 16
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
-# The model's own samples (temperature 1) move further than the text that follows, and less so the longer the read
-# (the real text of a long read needs more of what was evicted: names copied from far back). The estimate is the
-# sampled KL times a calibration that depends on the read's length: at each of these read lengths (tokens), the
-# median of measured / sampled KL on the seed-0 tuning windows of the default model (both texts, kl and
-# kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head); between them interpolated in log(length), beyond
-# them the nearest (docs/method.md, "Estimated drift"); every model reads with these unless klevict ships its own
-# (calibrations.drift_points).
-DRIFT_CALIBRATION = ((256, 0.44), (512, 0.52), (1024, 0.81), (4096, 0.87))
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
 # a SmolLM2-135M read of its 8,192 positions sets aside at most 189 MB
@@ -159,15 +151,40 @@ def drift_steps(tokens: int, asked: bool = True) -> int:
     return DRIFT_DRAFTS // 2 if asked else 0
 
 
-def drift_calibration(points: tuple[tuple[int, float], ...], tokens: int) -> float:
-    """The calibration at a read of `tokens` tokens: `points` (length, calibration) interpolated in log(length)."""
-    points = sorted(points)
-    if tokens <= points[0][0]:
-        return points[0][1]
-    for (n0, c0), (n1, c1) in zip(points, points[1:]):
-        if tokens <= n1:
-            return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
-    return points[-1][1]
+@dataclass(frozen=True)
+class DriftCalibration:
+    """What the model's own samples say about the text that follows: measured KL = scale(read length) * sampled
+    KL ** slope, the scale at each of `points` (read length in tokens, scale) interpolated in log(length) between
+    them and the nearest beyond them."""
+
+    points: tuple[tuple[int, float], ...]
+    slope: float = 1.0
+
+    def scale(self, tokens: int) -> float:
+        points = sorted(self.points)
+        if tokens <= points[0][0]:
+            return points[0][1]
+        for (n0, c0), (n1, c1) in zip(points, points[1:]):
+            if tokens <= n1:
+                return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
+        return points[-1][1]
+
+    def estimate(self, sampled: float, ci95: float, tokens: int) -> tuple[float, float]:
+        """The estimated KL of a read of `tokens` from its `sampled` KL, and the half-width of the sampled KL's 95 %
+        interval (± `ci95`) carried through the same power (not symmetric about the estimate where slope != 1)."""
+        c = self.scale(tokens)
+        power = lambda s: c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
+        return power(sampled), (power(sampled + ci95) - power(sampled - ci95)) / 2
+
+
+# The model's own samples (temperature 1) move further than the text that follows, the less so the longer the read
+# (the real text of a long read needs more of what was evicted: names copied from far back), and the more so the
+# further a cache moved (measured over sampled KL falls as the budget tightens). So the estimate is a power of the
+# sampled KL, scaled by the read's length: `DriftCalibration`, fitted on the seed-0 tuning windows of the default
+# model (both texts, kl and kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head; one slope over every length,
+# and at each length the scale that makes the median of measured over estimated 1: docs/method.md, "Estimated
+# drift"); every model reads with it unless klevict ships its own (calibrations.drift_calibration).
+DRIFT_CALIBRATION = DriftCalibration(((256, 0.268), (512, 0.2973), (1024, 0.4306), (4096, 0.4548)), slope=0.838)
 
 
 @dataclass(eq=False)
@@ -213,7 +230,7 @@ class Engine:
         max_kl: float | None = None,
         storage: dict[str, int | None] | None = None,
         evicted_bytes: int = EVICTED_BYTES,
-        drift_points: tuple[tuple[int, float], ...] | None = None,
+        drift_calibration: DriftCalibration | None = None,
         probe_model: Callable[[], PreTrainedModel | None] | None = None,
         score_dtype: torch.dtype = torch.float32,
     ):
@@ -251,7 +268,7 @@ class Engine:
         self.chooses_storage = len(self.storage) > 1 and policy.evicts
         measuring = measures_drift(measure_drift, max_kl, self.chooses_storage)
         self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measuring else None
-        self.drift_points = drift_points or DRIFT_CALIBRATION  # the model's own, where it has one (calibrations.py)
+        self.drift_calibration = drift_calibration or DRIFT_CALIBRATION  # the model's own, where it has one
         self.evicted_bytes = evicted_bytes  # the most of what it evicts a read sets aside to measure its drift
         observes = policy.observes_read(self.reconstruction is not None)
         self.observer = functools.partial(policy.observe, adapter) if observes else None
@@ -572,7 +589,8 @@ class Engine:
         # nothing), stored as it is, drifts 0: nothing to measure
         unchanged = bool(kept(most).eq(LayerStack.of(self._scored_layers(stream)).valid).all()) \
             and stream.stored_as is None and not drafted.evicted_before
-        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None)
+        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None,
+                                    slope=self.drift_calibration.slope)
         return budget, measured.get(budget), within.get(budget)
 
     def _tolerance_trials(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
@@ -685,10 +703,11 @@ class Engine:
     def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
         """How far the read's evictions moved the model: a continuation sampled from the whole read's cache, read
         again over the cache after the last choice (its lanes in one forward), and the mean KL of its next-token
-        distributions against those before (`sampled_kl`) — times the calibration at the read's length
-        (`drift_calibration`; `calibration`), an estimate of the KL of the text that follows (`kl`, with a 95 %
-        interval over the lanes: a lane's tokens are not independent samples). `covers`: "read", or "last eviction"
-        where what earlier evictions dropped could not be set aside (`Evicted`)."""
+        distributions against those before (`sampled_kl`), with a 95 % interval over the lanes (a lane's tokens are
+        not independent samples) — carried through the drift calibration at the read's length (`DriftCalibration`;
+        its `calibration` scale and `slope`) to an estimate of the KL of the text that follows (`kl`, `ci95`).
+        `covers`: "read", or "last eviction" where what earlier evictions dropped could not be set aside
+        (`Evicted`)."""
         lanes = Lanes(stream.next_position, stream.next_rope, drafted.lanes)
         cheap = drafted.head_inputs is not None
         after, ctx = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True,
@@ -702,10 +721,10 @@ class Engine:
         per_lane = kl.view(-1, drafted.lanes).mean(dim=0)
         spread = float(per_lane.std()) if per_lane.numel() > 1 else 0.0
         sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(per_lane.numel())
-        calibration = drift_calibration(self.drift_points, stream.next_position)
-        return {"kl": calibration * sampled, "ci95": calibration * ci95, "drafts": kl.numel(),
-                "sampled_kl": sampled, "calibration": calibration,
-                "covers": "read" if drafted.whole else "last eviction"}
+        estimate, interval = self.drift_calibration.estimate(sampled, ci95, stream.next_position)
+        return {"kl": estimate, "ci95": interval, "drafts": kl.numel(), "sampled_kl": sampled,
+                "calibration": self.drift_calibration.scale(stream.next_position),
+                "slope": self.drift_calibration.slope, "covers": "read" if drafted.whole else "last eviction"}
 
     @torch.inference_mode()
     def head_change(self, change: torch.Tensor) -> torch.Tensor:

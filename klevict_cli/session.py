@@ -116,7 +116,7 @@ class Session:
         # policies start from the state measured once for this model, where klevict ships one (calibrations.py)
         shipped = calibrations.shipped_file(lm.weights_sha256) if shipped_calibration else None
         self.model_state = None if shipped is None else calibrations.state_of(shipped)
-        self.drift_points = calibrations.drift_points(shipped)  # None: the engine's (measured with the default model)
+        self.drift_calibration = calibrations.drift_calibration(shipped)  # None: the engine's (the default model's)
         self.adapter: ModelAdapter = adapter_for(lm.model)
         self.frame = frame_for(lm.tokenizer)
         self.stop_ids = stop_ids(lm.tokenizer)
@@ -176,7 +176,7 @@ class Session:
             head_cap=head_cap, working=working_entries(settings.working, budget),
             reconstruction=Reconstruction.for_tokenizer(self.lm.tokenizer, closing, span=policy.reconstruction_span,
                                                         sees=policy.reconstruction_sees) if wanted else None,
-            measure_drift=settings.measure_drift, max_kl=settings.max_kl, drift_points=self.drift_points,
+            measure_drift=settings.measure_drift, max_kl=settings.max_kl, drift_calibration=self.drift_calibration,
             storage=storage if storage is not None else {settings.cache_dtype: None} if settings.cache_dtype else None,
             probe_model=functools.partial(self.probe_model, settings.probe_dtype),
             score_dtype=self.probe_copy_dtype(settings.probe_dtype) or torch.float32,  # the probes' precision

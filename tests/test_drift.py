@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_calibration, drift_steps
+from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, DriftCalibration, Engine, drift_steps
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -41,7 +41,8 @@ def lane_by_lane(engine, stream, drafted):
 def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypatch):
     """Recomputed by hand: every lane of the sampled continuation read on its own, over everything read (the read's
     one eviction is its last) and over the chosen cache, gives the logits the lanes side by side gave; the estimate
-    is their mean KL times the calibration, the sampled tokens are forgotten, and the same seed gives the same."""
+    is their mean KL carried through the calibration, the sampled tokens are forgotten, and the same seed gives the
+    same."""
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
@@ -58,43 +59,63 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     p, q = drafted.logits.double().log_softmax(-1), after.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert abs(stream.drift["sampled_kl"] - float(kl.mean())) <= 1e-6 + 1e-4 * float(kl.mean())
-    calibration = drift_calibration(DRIFT_CALIBRATION, len(ids))  # a 120-token read: the shortest point's
-    assert stream.drift["calibration"] == calibration == DRIFT_CALIBRATION[0][1]
-    assert stream.drift["kl"] == calibration * stream.drift["sampled_kl"]
-    lanes = kl.view(-1, drafted.lanes).mean(dim=0)  # the interval is over the lanes' means
-    assert stream.drift["ci95"] == pytest.approx(calibration * 1.96 * float(lanes.std()) / DRIFT_LANES ** 0.5,
-                                                 rel=1e-4, abs=1e-7)  # KL in float32 passes: to ~1e-6 nats
+    scale, slope = DRIFT_CALIBRATION.points[0][1], DRIFT_CALIBRATION.slope  # a 120-token read: the shortest point's
+    assert stream.drift["calibration"] == scale and stream.drift["slope"] == slope
+    assert stream.drift["kl"] == pytest.approx(scale * stream.drift["sampled_kl"] ** slope, rel=1e-12)
+    lanes = kl.view(-1, drafted.lanes).mean(dim=0)  # the interval is over the lanes' means, carried through the power
+    half = 1.96 * float(lanes.std()) / DRIFT_LANES ** 0.5
+    sampled = stream.drift["sampled_kl"]
+    through = scale * ((sampled + half) ** slope - max(sampled - half, 0) ** slope) / 2
+    assert stream.drift["ci95"] == pytest.approx(through, rel=1e-3, abs=1e-7)  # KL in float32 passes: ~1e-6 nats
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
     assert read(40)[1].drift == stream.drift
 
 
 def test_the_calibration_follows_the_read_length_between_its_measured_points():
-    """Interpolated in log(length) between the measured points, the nearest beyond them."""
-    points = ((512, 0.5), (2048, 0.9))
-    assert drift_calibration(points, 100) == 0.5 and drift_calibration(points, 512) == 0.5
-    assert drift_calibration(points, 1024) == pytest.approx(0.7)  # halfway in log(length)
-    assert drift_calibration(points, 2048) == pytest.approx(0.9) and drift_calibration(points, 10**6) == 0.9
+    """The scale interpolated in log(length) between the measured points, the nearest beyond them."""
+    calibration = DriftCalibration(((512, 0.5), (2048, 0.9)))
+    assert calibration.scale(100) == 0.5 and calibration.scale(512) == 0.5
+    assert calibration.scale(1024) == pytest.approx(0.7)  # halfway in log(length)
+    assert calibration.scale(2048) == pytest.approx(0.9) and calibration.scale(10**6) == 0.9
+
+
+def test_the_estimate_is_a_power_of_the_sampled_kl_and_so_is_its_interval():
+    """measured = scale * sampled ** slope: with a slope below 1 a cache that moved the samples ten times as far is
+    estimated to have moved less than ten times as far; the interval is the sampled one's ends carried through the
+    same power (its half-width), an interval reaching below 0 cut at 0, and a KL a hair below 0 (float32) reads 0."""
+    calibration = DriftCalibration(((256, 0.3),), slope=0.8)
+    kl, ci = calibration.estimate(0.01, 0.002, 300)
+    assert kl == pytest.approx(0.3 * 0.01 ** 0.8)
+    assert ci == pytest.approx(0.3 * (0.012 ** 0.8 - 0.008 ** 0.8) / 2)
+    assert calibration.estimate(0.1, 0, 300)[0] / kl == pytest.approx(10 ** 0.8)
+    assert calibration.estimate(0.001, 0.002, 300)[1] == pytest.approx(0.3 * 0.003 ** 0.8 / 2)
+    assert calibration.estimate(-1e-9, 0, 300) == (0.0, 0.0)
+    assert DriftCalibration(((256, 0.5),)).estimate(0.02, 0.004, 300) == pytest.approx((0.01, 0.002))  # slope 1
 
 
 def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch):
-    """A model's shipped drift calibration (calibrations.drift_points) replaces the engine's: the same read, the same
-    sampled KL, times the model's own point; a model without one reads with DRIFT_CALIBRATION."""
+    """A model's shipped drift calibration (calibrations.drift_calibration) replaces the engine's: the same read,
+    the same sampled KL, through the model's own scale and slope; a model without one reads with DRIFT_CALIBRATION."""
     from klevict_cli import calibrations
     from klevict_cli.options import Budget
     from klevict_cli.session import ReadSettings
     from tests.conftest import tiny_session
 
-    assert calibrations.drift_points({"drift_calibration": [[512, 0.8], [1024, 2]]}) == ((512, 0.8), (1024, 2.0))
-    assert calibrations.drift_points({"ratios": {}}) is None and calibrations.drift_points(None) is None
+    shipped = {"weights_sha256": "w", "drift_calibration": [[100, 3.0]], "drift_slope": 0.7}
+    assert calibrations.drift_calibration(shipped) == DriftCalibration(((100, 3.0),), 0.7)
+    assert calibrations.drift_calibration({"drift_calibration": [[512, 2]]}) == DriftCalibration(((512, 2.0),), 1.0)
+    assert calibrations.drift_calibration({"ratios": {}}) is None and calibrations.drift_calibration(None) is None
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(3)).tolist()
     settings = ReadSettings(budget=Budget(tokens=30), measure_drift=True, chunk_size=64)
     drifts = []
-    for shipped in (None, {"weights_sha256": "w", "drift_calibration": [[100, 3.0]]}):
-        monkeypatch.setattr(calibrations, "shipped_file", lambda sha, shipped=shipped: shipped)
+    for data in (None, shipped):
+        monkeypatch.setattr(calibrations, "shipped_file", lambda sha, data=data: data)
         drifts.append(tiny_session().read_tokens(ids, settings, reserve=16).stream.drift)
-    assert drifts[0]["calibration"] == DRIFT_CALIBRATION[0][1]  # a read shorter than the first point
-    assert drifts[1]["calibration"] == 3.0 and drifts[1]["sampled_kl"] == drifts[0]["sampled_kl"]
-    assert drifts[1]["kl"] == pytest.approx(3.0 * drifts[1]["sampled_kl"])
+    assert drifts[0]["calibration"] == DRIFT_CALIBRATION.points[0][1]  # a read shorter than the first point
+    assert drifts[0]["slope"] == DRIFT_CALIBRATION.slope
+    assert (drifts[1]["calibration"], drifts[1]["slope"]) == (3.0, 0.7)
+    assert drifts[1]["sampled_kl"] == drifts[0]["sampled_kl"]
+    assert drifts[1]["kl"] == pytest.approx(3.0 * drifts[1]["sampled_kl"] ** 0.7)
 
 
 def test_a_read_long_enough_samples_every_lane_in_full(monkeypatch):
