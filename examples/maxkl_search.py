@@ -2,15 +2,17 @@
 
     python examples/maxkl_search.py record MOBY_DICK.txt HAMLET.md --context 512 --windows 2 --method kl \
         --out benchmarks/results/tuning/maxkl-search/curves-kl-512.json
-    python examples/maxkl_search.py replay benchmarks/results/tuning/maxkl-search/curves-*.json
+    python examples/maxkl_search.py replay benchmarks/results/tuning/maxkl-search/curves-*.json --recorded-with 0.5
 
-`record` reads windows of each text as `--max-kl` reads them and, at the last eviction, measures the drift of every
-budget from the floor to the whole read (every one up to 128 entries per head, every second one above), as the
-search's trials measure it (an eviction of a copy of the stream with its refit, then the sampled continuation over
-it), beside the free guide the search uses: the budget-free scores of the entries each budget evicts, summed. One
-512-token window takes about 3-5 minutes of one CPU core. `replay` runs the search (klevict_cli/tolerance.py) and
-the bisection it replaced on those curves at tolerances from 0.002 to 0.3, and prints the budgets found and the
-measurements each took.
+`record` reads windows of each text as `--max-kl` reads them and, at the last eviction, measures the sampled drift
+of every budget from the floor to the whole read (every one up to 128 entries per head, every second one above), as
+the search's trials measure it (an eviction of a copy of the stream with its refit, then the sampled continuation
+over it), beside the free guide the search uses: the budget-free scores of the entries each budget evicts, summed.
+One 512-token window takes about 3-5 minutes of one CPU core. `replay` runs the search (klevict_cli/tolerance.py)
+and the bisection it replaced on those curves at tolerances from 0.002 to 0.3, each carried back through the model's
+drift calibration as the engine does (`--model`), and prints the budgets found and the measurements each took.
+Curves recorded before the search compared sampled KLs hold the estimate of the time, the sampled KL times a single
+factor: `--recorded-with` divides it out (0.5 for the default model's curves, 0.73 for Gemma-3-270M's).
 """
 
 from __future__ import annotations
@@ -53,21 +55,35 @@ def record(args) -> None:
             session.read_tokens(ids[start : start + args.context],
                                 ReadSettings(budget=None, method=args.method, max_kl=0.03, seed=k,
                                              reconstruct=args.method == "kl-reconstruct"))
-            curves[-1].update(text=Path(path).name, start=start, context=args.context, method=args.method)
+            curves[-1].update(text=Path(path).name, start=start, context=args.context, method=args.method,
+                              model=args.model, drift="sampled")
             print(f"{Path(path).name} window {k}: {len(curves[-1]['curve'])} budgets measured", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(curves))
+
+
+def drift_calibration(model: str | None):
+    """The drift calibration a read of `model` uses: its shipped one, else the default model's."""
+    from klevict_cli import calibrations
+    from klevict_cli.engine import DRIFT_CALIBRATION
+
+    for path in sorted(calibrations.FOLDER.glob("*.json")):
+        data = json.loads(path.read_text())
+        if model is not None and data.get("model") == model:
+            return calibrations.drift_calibration(data) or DRIFT_CALIBRATION
+    return DRIFT_CALIBRATION
 
 
 def replay(args) -> None:
     from klevict_cli.tolerance import smallest_within
 
     curves = [c for f in args.files for c in json.loads(Path(f).read_text())]
+    calibration = drift_calibration(args.model)
     counts = {"bisection": [], "guided": []}
     sizes = []  # the guided search's budget over bisection's
     for c in curves:
         budgets = [row[0] for row in c["curve"]]
-        drift = {row[0]: row[1] for row in c["curve"]}
+        drift = {row[0]: row[1] / args.recorded_with for row in c["curve"]}  # the sampled KL
         evicted = {row[0]: row[2] for row in c["curve"]}
 
         def on_curve(b: int) -> int:  # a budget between the recorded ones: the next recorded
@@ -75,18 +91,19 @@ def replay(args) -> None:
 
         cells = []
         for tolerance in TOLERANCES:
+            sampled = calibration.sampled_within(tolerance, c["context"])  # as Engine._sampled_tolerance
             # bisection (no guide), and the whole read's drift (0) not measured by either
-            old = smallest_within(lambda b: drift[on_curve(b)], None, c["least"], c["most"], tolerance, known=0.0)
+            old = smallest_within(lambda b: drift[on_curve(b)], None, c["least"], c["most"], sampled, known=0.0)
             new = smallest_within(lambda b: drift[on_curve(b)], lambda b: evicted[on_curve(b)], c["least"], c["most"],
-                                  tolerance, known=0.0)
+                                  sampled, known=0.0)
             counts["bisection"].append(old[1])
             counts["guided"].append(new[1])
             sizes.append(new[0] / old[0])
             cells.append(f"{tolerance:g}: {old[0]}/{old[1]} {new[0]}/{new[1]}")
         print(f"{c['text']} {c['method']} @{c['start']}: " + " | ".join(cells))
-        ratios = [d / s for _, d, s, _ in c["curve"] if d > 0 and s > 0]
+        ratios = [drift[b] / s for b, _, s, _ in c["curve"] if drift[b] > 0 and s > 0]
         deciles = statistics.quantiles(ratios, n=10)
-        print(f"  drift / summed scores: median {statistics.median(ratios):.2f}, 10-90 % {deciles[0]:.2f}-{deciles[-1]:.2f}")
+        print(f"  sampled drift / summed scores: median {statistics.median(ratios):.2f}, 10-90 % {deciles[0]:.2f}-{deciles[-1]:.2f}")
     for name, n in counts.items():
         print(f"{name}: {statistics.mean(n):.2f} measurements on average, at most {max(n)} ({len(n)} searches)")
     print(f"budget found, guided over bisection: geometric mean {statistics.geometric_mean(sizes):.3f}, "
@@ -106,6 +123,9 @@ def main() -> None:
     rec.add_argument("--out", required=True)
     rep = commands.add_parser("replay")
     rep.add_argument("files", nargs="+")
+    rep.add_argument("--model", default=None, help="whose drift calibration carries the tolerances back")
+    rep.add_argument("--recorded-with", type=float, default=1.0,
+                     help="the factor the curves' drift was recorded with (1: recorded as sampled)")
     args = parser.parse_args()
     record(args) if args.command == "record" else replay(args)
 

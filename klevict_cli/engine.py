@@ -176,6 +176,15 @@ class DriftCalibration:
         power = lambda s: c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
         return power(sampled), (power(sampled + ci95) - power(sampled - ci95)) / 2
 
+    def sampled_within(self, tolerance: float, tokens: int) -> float:
+        """The largest sampled KL whose estimate at a read of `tokens` is at most `tolerance` (to float rounding, and
+        never above it): a tolerance carried back through the calibration, for a search that compares sampled KLs
+        (`--max-kl`)."""
+        sampled = (tolerance / self.scale(tokens)) ** (1 / self.slope)
+        while sampled > 0 and self.estimate(sampled, 0.0, tokens)[0] > tolerance:
+            sampled = math.nextafter(sampled, 0.0)
+        return sampled
+
 
 # The model's own samples (temperature 1) move further than the text that follows, the less so the longer the read
 # (the real text of a long read needs more of what was evicted: names copied from far back), and the more so the
@@ -589,16 +598,23 @@ class Engine:
         # nothing), stored as it is, drifts 0: nothing to measure
         unchanged = bool(kept(most).eq(LayerStack.of(self._scored_layers(stream)).valid).all()) \
             and stream.stored_as is None and not drafted.evicted_before
-        budget, _ = smallest_within(drifts, predicted, least, most, self.max_kl, known=0.0 if unchanged else None,
-                                    slope=self.drift_calibration.slope)
+        budget, _ = smallest_within(drifts, predicted, least, most, self._sampled_tolerance(stream),
+                                    known=0.0 if unchanged else None)
         return budget, measured.get(budget), within.get(budget)
+
+    def _sampled_tolerance(self, stream: Stream) -> float:
+        """`max_kl` as a sampled KL (`DriftCalibration.sampled_within`): the search compares sampled KLs, which move
+        about in proportion to the summed scores that guide it (tolerance.py), where the estimate is a power of
+        them."""
+        return self.drift_calibration.sampled_within(self.max_kl, stream.next_position)
 
     def _tolerance_trials(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                           keep: range, targets: dict | None, drafted: Continuation):
         """What `_budget_within` asks of a budget (examples/maxkl_search.py records them for every budget):
-        `drifts(budget)`, the drift of the cache an eviction to it keeps, measured (a copy of the stream evicted with
-        its refit, then the sampled continuation over it; each kept in `measured`, and the copy of the smallest
-        budget measured within `max_kl` in `within`, which the search returns if it ends there);
+        `drifts(budget)`, the sampled drift of the cache an eviction to it keeps, measured (a copy of the stream
+        evicted with its refit, then the sampled continuation over it; each measurement kept in `measured`, and the
+        copy of the smallest budget measured within `max_kl` in `within`, which the search returns if it ends
+        there);
         `predicted(budget)`, the budget-free scores of the entries it evicts, summed (a selection alone, no forward);
         `kept(budget)`, that selection's (L, H, C) masks."""
         held = LayerStack.of(self._scored_layers(stream))
@@ -607,6 +623,7 @@ class Engine:
         evicted: dict[int, float] = {}
         measured: dict[int, dict] = {}
         within: dict[int, Stream] = {}  # at most one copy held besides the stream
+        tolerance = None if self.max_kl is None else self._sampled_tolerance(stream)
 
         def kept(budget: int) -> torch.Tensor:
             if budget not in masks:
@@ -624,10 +641,11 @@ class Engine:
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)
             measured[budget] = self.measure_drift(self.as_stored(trial), drafted)
-            if self.max_kl is not None and measured[budget]["kl"] <= self.max_kl and all(budget < b for b in within):
+            sampled = measured[budget]["sampled_kl"]
+            if tolerance is not None and sampled <= tolerance and all(budget < b for b in within):
                 within.clear()
                 within[budget] = trial
-            return measured[budget]["kl"]
+            return sampled
 
         return drifts, predicted, kept, measured, within
 

@@ -93,6 +93,17 @@ def test_the_estimate_is_a_power_of_the_sampled_kl_and_so_is_its_interval():
     assert DriftCalibration(((256, 0.5),)).estimate(0.02, 0.004, 300) == pytest.approx((0.01, 0.002))  # slope 1
 
 
+def test_a_tolerance_carried_back_through_the_calibration_is_the_sampled_kl_it_allows():
+    """`--max-kl` compares sampled KLs (they move with the summed scores that guide the search): the sampled KL a
+    tolerance allows is estimated within it, and a hair more is not."""
+    calibration = DriftCalibration(((256, 0.3), (1024, 0.5)), slope=0.8)
+    for tolerance in (1e-3, 0.03, 0.1):
+        for tokens in (100, 512, 5000):
+            sampled = calibration.sampled_within(tolerance, tokens)
+            assert calibration.estimate(sampled, 0.0, tokens)[0] <= tolerance
+            assert calibration.estimate(sampled * (1 + 1e-9), 0.0, tokens)[0] > tolerance
+
+
 def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch):
     """A model's shipped drift calibration (calibrations.drift_calibration) replaces the engine's: the same read,
     the same sampled KL, through the model's own scale and slope; a model without one reads with DRIFT_CALIBRATION."""

@@ -88,22 +88,3 @@ def test_the_largest_budget_decides_the_ends():
     assert 100 not in measured and count == len(measured) and drift(found) <= 0.05  # known: never measured
     assert smallest_within(drift, guide, 4, 4, 1e-9, known=0.0) == (4, 0)  # nothing between the floor and it
 
-
-def test_the_guide_through_one_measurement_bends_by_the_drift_calibrations_slope():
-    """The drift is a power (`slope`) of the sampled KL, which moves about in proportion to the summed scores: told
-    the slope, the search places its second trial where the drift crosses the tolerance, and over a range of levels
-    and tolerances takes fewer measurements than a search that assumes the drift proportional."""
-    def guide(b):
-        return 7.0 / b
-
-    totals = {}
-    for slope in (0.7, 1.0):
-        totals[slope] = 0
-        for level in (0.02, 0.05, 0.1, 0.2):  # the largest budget within every tolerance, the smallest beyond
-            def drift(b, level=level):
-                return level * guide(b) ** 0.7
-            for tolerance in (3e-3, 1e-2, 3e-2):
-                found, count = smallest_within(drift, guide, 6, 4096, tolerance, slope=slope)
-                check_bracket(drift, 6, 4096, tolerance, found)
-                totals[slope] += count
-    assert totals[0.7] < totals[1.0]

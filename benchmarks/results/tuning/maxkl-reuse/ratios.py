@@ -10,4 +10,4 @@ for f in sys.argv[1:]:
             per.setdefault(label, []).extend(ratios); pooled += ratios
 for label, v in per.items():
     print(label, f"median {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}), {len(v)} windows")
-print(f"pooled median {statistics.median(pooled):.2f}x over {len(pooled)}")
+print(f"pooled median {statistics.median(pooled):.3f}x over {len(pooled)}")

@@ -1,8 +1,8 @@
 """Replays of --max-kl's budget search with variants of its guide (klevict_cli/tolerance.py): the exponent used
 through one measurement (`BETA_THROUGH_ONE`), a rule that keeps each guess at least 10 % above the bracket's lower
-end, the first guess's prior ratio (`PRIOR_RATIO`). The curves hold the drift as estimated when they were recorded (a
-single factor per model: SmolLM2's 0.5, Gemma's 0.73 at 512 tokens); each search is replayed on them as recorded and
-on the sampled KL carried through the calibration each model ships now (engine.DriftCalibration, with its slope).
+end, the first guess's prior ratio (`PRIOR_RATIO`). The search compares sampled KLs against the tolerance carried
+back through the model's drift calibration (Engine._sampled_tolerance); these curves hold the drift as estimated when
+they were recorded, a single factor per model (SmolLM2's 0.5, Gemma's 0.73 at 512 tokens), divided out here.
 python replay_variants.py SMOL_CURVES[,..] GEMMA_CURVES[,..]"""
 import bisect, json, statistics, sys
 from pathlib import Path
@@ -12,42 +12,33 @@ from klevict_cli import calibrations
 from klevict_cli.engine import DRIFT_CALIBRATION
 TOLS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
 shipped = {"BETA_THROUGH_ONE": T.BETA_THROUGH_ONE, "PRIOR_RATIO": T.PRIOR_RATIO, "_guess": T._guess}
+RECORDED_WITH = {"smol": 0.5, "gemma": 0.73}
+GEMMA = calibrations.drift_calibration(json.loads((Path(calibrations.FOLDER) / "gemma3-270m.json").read_text()))
+CALIBRATION = {"smol": DRIFT_CALIBRATION, "gemma": GEMMA}
 
 
-def opening(measured, predicted, lo, hi, tolerance, beta_through_one):
+def opening(measured, predicted, lo, hi, tolerance):
     """The shipped guess, raised to at least the budget whose success would close the bracket above `lo`."""
-    guess = shipped["_guess"](measured, predicted, lo, hi, tolerance, beta_through_one)
+    guess = shipped["_guess"](measured, predicted, lo, hi, tolerance)
     return min(max(guess, lo + max(1, lo // (T.PRECISION - 1))), hi - 1)
 
 
-def use(beta_one=1.0, opening_rule=False, prior=0.4):
+def use(beta_one=shipped["BETA_THROUGH_ONE"], opening_rule=False, prior=shipped["PRIOR_RATIO"]):
     T.BETA_THROUGH_ONE, T.PRIOR_RATIO = beta_one, prior
     T._guess = opening if opening_rule else shipped["_guess"]
 
 
-RECORDED_WITH = {"smol": 0.5, "gemma": 0.73}
-GEMMA = calibrations.drift_calibration(json.loads((Path(calibrations.FOLDER) / "gemma3-270m.json").read_text()))
-NOW = {"smol": DRIFT_CALIBRATION, "gemma": GEMMA}
-
-
-def run(files, group=None):
-    """Mean and most measurements per search, and the sizes found over bisection's (geometric mean): on the curves
-    as recorded, or (`group`) through that model's calibration now."""
+def run(files, model):
+    """Mean and most measurements per search, and the sizes found over bisection's (geometric mean)."""
     curves = [c for f in files for c in json.loads(Path(f).read_text())]
-    slope = 1.0
-    if group is not None:
-        calibration, slope = NOW[group], NOW[group].slope
-        for c in curves:
-            c["curve"] = [[r[0], calibration.estimate(r[1] / RECORDED_WITH[group], 0.0, c["context"])[0], *r[2:]]
-                          for r in c["curve"]]
     counts, sizes = [], []
     for c in curves:
-        budgets = [r[0] for r in c["curve"]]; drift = {r[0]: r[1] for r in c["curve"]}; ev = {r[0]: r[2] for r in c["curve"]}
+        budgets = [r[0] for r in c["curve"]]; ev = {r[0]: r[2] for r in c["curve"]}
+        drift = {r[0]: r[1] / RECORDED_WITH[model] for r in c["curve"]}  # the sampled KL
         on = lambda b: budgets[min(bisect.bisect_left(budgets, b), len(budgets) - 1)]
-        for t in TOLS:
+        for t in (CALIBRATION[model].sampled_within(t, c["context"]) for t in TOLS):
             old = T.smallest_within(lambda b: drift[on(b)], None, c["least"], c["most"], t, known=0.0)  # bisection
-            new = T.smallest_within(lambda b: drift[on(b)], lambda b: ev[on(b)], c["least"], c["most"], t, known=0.0,
-                                    slope=slope)
+            new = T.smallest_within(lambda b: drift[on(b)], lambda b: ev[on(b)], c["least"], c["most"], t, known=0.0)
             counts.append(new[1]); sizes.append(new[0] / old[0])
     return statistics.mean(counts), max(counts), statistics.geometric_mean(sizes)
 
@@ -56,14 +47,13 @@ variants = {"current": {}, "opening": {"opening_rule": True}}
 for b1 in (0.5, 0.7):
     variants[f"beta_one {b1}"] = {"beta_one": b1}
     variants[f"beta_one {b1} + opening"] = {"beta_one": b1, "opening_rule": True}
-for pr in (0.2, 0.3, 0.6):
+for pr in (0.4, 0.6, 0.8, 1.3):
     variants[f"prior {pr}"] = {"prior": pr}
 groups = {"smol": sys.argv[1].split(","), "gemma": sys.argv[2].split(",")} if len(sys.argv) > 2 else {"smol": sys.argv[1].split(",")}
 for name, kw in variants.items():
     use(**kw)
     out = []
     for g, files in groups.items():
-        for label, group in (("as recorded", None), ("calibrated now", g)):
-            m, mx, sz = run(files, group)
-            out.append(f"{g} {label}: {m:.2f} (max {mx}) size {sz:.3f}")
+        m, mx, sz = run(files, g)
+        out.append(f"{g}: {m:.2f} (max {mx}) size {sz:.3f}")
     print(f"{name:28s}", " | ".join(out))
