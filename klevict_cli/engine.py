@@ -161,6 +161,7 @@ class DriftCalibration:
     slope: float = 1.0
 
     def scale(self, tokens: int) -> float:
+        """The scale at a read of `tokens` tokens."""
         points = sorted(self.points)
         if tokens <= points[0][0]:
             return points[0][1]
@@ -173,7 +174,10 @@ class DriftCalibration:
         """The estimated KL of a read of `tokens` from its `sampled` KL, and the half-width of the sampled KL's 95 %
         interval (± `ci95`) carried through the same power (not symmetric about the estimate where slope != 1)."""
         c = self.scale(tokens)
-        power = lambda s: c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
+
+        def power(s: float) -> float:
+            return c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
+
         return power(sampled), (power(sampled + ci95) - power(sampled - ci95)) / 2
 
     def sampled_within(self, tolerance: float, tokens: int) -> float:
