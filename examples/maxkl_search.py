@@ -63,21 +63,28 @@ def record(args) -> None:
 
 
 def drift_calibration(model: str | None):
-    """The drift calibration a read of `model` uses: its shipped one, else the default model's."""
+    """The drift calibration a read of `model` uses: its shipped one, else the default model's (None: the default
+    model; a name klevict ships no calibration file for is refused, not read with another model's)."""
     from klevict_cli import calibrations
     from klevict_cli.engine import DRIFT_CALIBRATION
 
+    if model is None:
+        return DRIFT_CALIBRATION
     for path in sorted(calibrations.FOLDER.glob("*.json")):
         data = json.loads(path.read_text())
-        if model is not None and data.get("model") == model:
+        if data.get("model") == model:
             return calibrations.drift_calibration(data) or DRIFT_CALIBRATION
-    return DRIFT_CALIBRATION
+    raise SystemExit(f"no calibration file for {model} under {calibrations.FOLDER}")
 
 
 def replay(args) -> None:
     from klevict_cli.tolerance import smallest_within
 
     curves = [c for f in args.files for c in json.loads(Path(f).read_text())]
+    if any(c.get("model", args.model) != args.model for c in curves):
+        raise SystemExit("the curves were recorded with another model than --model")
+    if args.recorded_with != 1.0 and any(c.get("drift") == "sampled" for c in curves):
+        raise SystemExit("--recorded-with is for curves recorded as estimates; these hold the sampled drift")
     calibration = drift_calibration(args.model)
     counts = {"bisection": [], "guided": []}
     sizes = []  # the guided search's budget over bisection's

@@ -514,7 +514,8 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
 def drift_text(drift: dict | None) -> str:
     """A compress line's end: the cache's estimated drift, where it was measured."""
-    return "" if drift is None else f"; estimated drift {drift['kl']:.3g} ± {drift['ci95']:.2g} nats/token"
+    return "" if drift is None else (f"; estimated drift {drift['kl']:.3g} nats/token (95 % up to "
+                                     f"{drift['kl'] + drift['ci95']:.3g})")
 
 
 def report_record(opts: dict, record: dict) -> None:

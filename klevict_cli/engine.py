@@ -171,20 +171,26 @@ class DriftCalibration:
         return points[-1][1]
 
     def estimate(self, sampled: float, ci95: float, tokens: int) -> tuple[float, float]:
-        """The estimated KL of a read of `tokens` from its `sampled` KL, and the half-width of the sampled KL's 95 %
-        interval (± `ci95`) carried through the same power (not symmetric about the estimate where slope != 1)."""
+        """The estimated KL of a read of `tokens` from its `sampled` KL, and how far above it the upper end of the
+        sampled KL's 95 % interval (+ `ci95`) lands, carried through the same power: the estimate plus it is that
+        end (where slope < 1 the lower end lies further below than this; at slope 1 the interval is symmetric)."""
         c = self.scale(tokens)
 
         def power(s: float) -> float:
             return c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
 
-        return power(sampled), (power(sampled + ci95) - power(sampled - ci95)) / 2
+        return power(sampled), power(sampled + ci95) - power(sampled)
 
     def sampled_within(self, tolerance: float, tokens: int) -> float:
         """The largest sampled KL whose estimate at a read of `tokens` is at most `tolerance` (to float rounding, and
         never above it): a tolerance carried back through the calibration, for a search that compares sampled KLs
-        (`--max-kl`)."""
-        sampled = (tolerance / self.scale(tokens)) ** (1 / self.slope)
+        (`--max-kl`). 0 for a tolerance of 0; infinite for one beyond any float's estimate."""
+        if tolerance <= 0:
+            return 0.0
+        try:
+            sampled = (tolerance / self.scale(tokens)) ** (1 / self.slope)
+        except OverflowError:
+            return math.inf
         while sampled > 0 and self.estimate(sampled, 0.0, tokens)[0] > tolerance:
             sampled = math.nextafter(sampled, 0.0)
         return sampled
@@ -617,8 +623,8 @@ class Engine:
         """What `_budget_within` asks of a budget (examples/maxkl_search.py records them for every budget):
         `drifts(budget)`, the sampled drift of the cache an eviction to it keeps, measured (a copy of the stream
         evicted with its refit, then the sampled continuation over it; each measurement kept in `measured`, and the
-        copy of the smallest budget measured within `max_kl` in `within`, which the search returns if it ends
-        there);
+        copy of the smallest budget whose sampled drift is within `max_kl` carried back (`_sampled_tolerance`) in
+        `within`, which the search returns if it ends there);
         `predicted(budget)`, the budget-free scores of the entries it evicts, summed (a selection alone, no forward);
         `kept(budget)`, that selection's (L, H, C) masks."""
         held = LayerStack.of(self._scored_layers(stream))

@@ -109,7 +109,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         drift = info["estimated_kl"]
         # files written before the estimate covered the whole read say nothing of it: theirs is the last eviction's
         against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
-        table.add_row("estimated drift", f"{drift['kl']:.4g} ± {drift['ci95']:.2g} nats per token (KL against "
+        upper = drift["kl"] + drift["ci95"]
+        table.add_row("estimated drift", f"{drift['kl']:.4g} nats per token, 95 % up to {upper:.3g} (KL against "
                                          f"{against}, on {drift['drafts']} drafted tokens)")
     elif meta.get("method", "none") != "none" and meta.get("budget_tokens", "all") != "all":
         table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "

@@ -4,6 +4,7 @@ the drafts read again over the chosen cache, their next-token KL against the cac
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     lanes = kl.view(-1, drafted.lanes).mean(dim=0)  # the interval is over the lanes' means, carried through the power
     half = 1.96 * float(lanes.std()) / DRIFT_LANES ** 0.5
     sampled = stream.drift["sampled_kl"]
-    through = scale * ((sampled + half) ** slope - max(sampled - half, 0) ** slope) / 2
-    assert stream.drift["ci95"] == pytest.approx(through, rel=1e-3, abs=1e-7)  # KL in float32 passes: ~1e-6 nats
+    upper = scale * (sampled + half) ** slope  # the sampled interval's upper end, carried through
+    assert stream.drift["kl"] + stream.drift["ci95"] == pytest.approx(upper, rel=1e-3, abs=1e-7)  # float32: ~1e-6
     assert 0 < stream.drift["kl"] and stream.drift["ci95"] > 0
     assert read(40)[1].drift == stream.drift
 
@@ -81,27 +82,34 @@ def test_the_calibration_follows_the_read_length_between_its_measured_points():
 
 def test_the_estimate_is_a_power_of_the_sampled_kl_and_so_is_its_interval():
     """measured = scale * sampled ** slope: with a slope below 1 a cache that moved the samples ten times as far is
-    estimated to have moved less than ten times as far; the interval is the sampled one's ends carried through the
-    same power (its half-width), an interval reaching below 0 cut at 0, and a KL a hair below 0 (float32) reads 0."""
+    estimated to have moved less than ten times as far; the estimate plus its interval is the sampled interval's
+    upper end carried through the same power (so at slope 1 the interval scales as the estimate does, even where it
+    reaches below 0), and a KL a hair below 0 (float32) reads 0."""
     calibration = DriftCalibration(((256, 0.3),), slope=0.8)
     kl, ci = calibration.estimate(0.01, 0.002, 300)
     assert kl == pytest.approx(0.3 * 0.01 ** 0.8)
-    assert ci == pytest.approx(0.3 * (0.012 ** 0.8 - 0.008 ** 0.8) / 2)
+    assert kl + ci == pytest.approx(0.3 * 0.012 ** 0.8)
     assert calibration.estimate(0.1, 0, 300)[0] / kl == pytest.approx(10 ** 0.8)
-    assert calibration.estimate(0.001, 0.002, 300)[1] == pytest.approx(0.3 * 0.003 ** 0.8 / 2)
+    kl, ci = calibration.estimate(0.001, 0.002, 300)
+    assert kl + ci == pytest.approx(0.3 * 0.003 ** 0.8)
     assert calibration.estimate(-1e-9, 0, 300) == (0.0, 0.0)
-    assert DriftCalibration(((256, 0.5),)).estimate(0.02, 0.004, 300) == pytest.approx((0.01, 0.002))  # slope 1
+    proportional = DriftCalibration(((256, 0.5),))  # slope 1
+    assert proportional.estimate(0.02, 0.004, 300) == pytest.approx((0.01, 0.002))
+    assert proportional.estimate(0.01, 0.05, 300) == pytest.approx((0.005, 0.025))
 
 
 def test_a_tolerance_carried_back_through_the_calibration_is_the_sampled_kl_it_allows():
     """`--max-kl` compares sampled KLs (they move with the summed scores that guide the search): the sampled KL a
     tolerance allows is estimated within it, and a hair more is not."""
-    calibration = DriftCalibration(((256, 0.3), (1024, 0.5)), slope=0.8)
-    for tolerance in (1e-3, 0.03, 0.1):
-        for tokens in (100, 512, 5000):
-            sampled = calibration.sampled_within(tolerance, tokens)
-            assert calibration.estimate(sampled, 0.0, tokens)[0] <= tolerance
-            assert calibration.estimate(sampled * (1 + 1e-9), 0.0, tokens)[0] > tolerance
+    for slope in (0.62, 0.8, 1.0, 1.7):
+        calibration = DriftCalibration(((256, 0.3), (1024, 0.5)), slope=slope)
+        for tolerance in (1e-3, 0.03, 0.1, 7.0):
+            for tokens in (100, 512, 5000):
+                sampled = calibration.sampled_within(tolerance, tokens)
+                assert calibration.estimate(sampled, 0.0, tokens)[0] <= tolerance
+                assert calibration.estimate(sampled * (1 + 1e-9), 0.0, tokens)[0] > tolerance
+        assert calibration.sampled_within(0.0, 512) == 0.0  # nothing may move
+    assert DriftCalibration(((256, 0.3),), slope=0.5).sampled_within(1e300, 512) == math.inf  # anything may
 
 
 def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch):
@@ -224,7 +232,8 @@ def read_within(max_kl: float, budget: int | None = None, reread: bool = False):
     return engine.held_per_head(stream), stream.drift["kl"]
 
 
-def stream_within(max_kl: float, budget: int | None = None, reread: bool = False, mode: str = "original"):
+def stream_within(max_kl: float, budget: int | None = None, reread: bool = False, mode: str = "original",
+                  calibration: DriftCalibration | None = None):
     from klevict_cli.probes import Reconstruction
 
     model = tiny_llama(seed=3)
@@ -232,7 +241,7 @@ def stream_within(max_kl: float, budget: int | None = None, reread: bool = False
     ids = torch.randint(0, 300, (160,)).tolist()
     source = Reconstruction([5, 6], [7], [8], span=32, sees="span") if reread else None
     engine = Engine(model, adapter_for(model), KL(lookahead=16), budget=budget, chunk_size=64, probe_window=8,
-                    max_kl=max_kl, reconstruction=source, mode=mode)
+                    max_kl=max_kl, reconstruction=source, mode=mode, drift_calibration=calibration)
     stream = engine.new_stream()
     engine.feed(stream, ids)
     assert stream.tokens == ids
@@ -253,6 +262,32 @@ def test_max_kl_keeps_the_smallest_cache_the_tolerance_allows(reread):
     for (size, drift), tolerance in zip(held, tolerances):
         assert drift <= tolerance and floor < size < whole
     assert held[0][0] <= held[1][0]
+
+
+@pytest.mark.parametrize("scale", [100.0, 0.01])
+def test_max_kl_holds_the_estimate_to_the_tolerance_whatever_the_calibration(monkeypatch, scale):
+    """The search compares sampled drifts with the tolerance carried back through the calibration: with one far
+    from proportional (estimates 100x or 0.01x the square root of the sampled drift), the cache kept is estimated
+    within the tolerance, and a budget at most 10 % smaller (or the floor) was measured and estimated beyond it."""
+    measured = {}
+    measure = Engine.measure_drift
+
+    def recorded(self, stream, drafted):
+        drift = measure(self, stream, drafted)
+        measured[self.held_per_head(stream)] = drift["kl"]
+        return drift
+
+    calibration = DriftCalibration(((1, scale),), slope=0.5)
+    monkeypatch.setattr(Engine, "measure_drift", recorded)
+    engine, stream = stream_within(1e9, calibration=calibration)
+    floor, loose = engine.held_per_head(stream), stream.drift["kl"]
+    for tolerance in (loose / 2, loose / 8):
+        measured.clear()
+        engine, stream = stream_within(tolerance, calibration=calibration)
+        kept = engine.held_per_head(stream)
+        assert stream.drift["kl"] <= tolerance and measured[kept] == stream.drift["kl"]
+        below = [size for size, kl in measured.items() if size < kept and kl > tolerance]
+        assert kept == floor or (below and max(below) >= kept - max(1, kept // 10)), (kept, measured)
 
 
 def test_max_kl_with_a_budget_never_keeps_more_than_it():

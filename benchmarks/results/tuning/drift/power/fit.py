@@ -1,10 +1,9 @@
 """The drift calibration klevict ships: measured KL = scale(L) * sampled KL ** slope, fitted on seed-0 tuning runs
 only (every drift measurement's per-token KL recorded: the lanes runs at 512-4,096 tokens and record.sh's), one
 slope per model over its read lengths (least squares in logs, each length centred on its own mean), and at each
-length the scale that makes the median of measured over estimated 1 on those windows. Then, as a preview, the fit
-applied to the held-out seed-1 drift files (their sampled KL is their estimate over the calibration they were read
-with, `--calibration-was`). python fit.py [--calibration-was smollm2|gemma3 POINTS...]"""
-import glob, json, math, os, statistics, sys
+length the scale that makes the median of measured over estimated 1 on those windows (held out, the drift table's
+runs measure it: docs/benchmarks.md). python fit.py"""
+import math, statistics, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[5]
@@ -44,20 +43,6 @@ def fit(by_length):
     return slope, {n: math.exp(statistics.median(y - slope * x for x, y in xy)) for n, xy in by_length.items()}
 
 
-def interpolate(points, tokens):  # as engine.DriftCalibration.scale
-    points = sorted(points.items())
-    if tokens <= points[0][0]:
-        return points[0][1]
-    for (n0, c0), (n1, c1) in zip(points, points[1:]):
-        if tokens <= n1:
-            return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
-    return points[-1][1]
-
-
-# the calibrations the held-out drift files were read with (proportional: sampled = estimate / scale)
-WAS = {"smollm2-135m": {256: 0.44, 512: 0.52, 1024: 0.81, 4096: 0.87}, "gemma3-270m": {512: 0.73, 1024: 1.78}}
-SHORT = {"smollm2-135m": "smol", "gemma3-270m": "gemma"}
-
 if __name__ == "__main__":
     fits = {}
     for model, runs in RUNS.items():
@@ -67,20 +52,3 @@ if __name__ == "__main__":
         fits[model] = slope, scales
         print(f"{model}: slope {slope:.3f}; scales " + ", ".join(f"{n}: {c:.4g}" for n, c in scales.items())
               + "; pairs " + ", ".join(f"{n}: {len(xy)}" for n, xy in by_length.items()))
-    within = lambda r: sum(1 / 1.5 <= x <= 1.5 for x in r) / len(r)
-    print("held out (seed 1): measured over estimated, proportional as read -> fitted")
-    for model, (slope, scales) in fits.items():
-        for path in sorted(glob.glob(str(ROOT / f"benchmarks/results/drift/drift-{SHORT[model]}-s1-*.json"))):
-            d = json.loads(Path(path).read_text())
-            n = d["settings"]["context"]
-            old, new = [], []
-            for cells in d["fidelity"]["results"].values():
-                for cell in cells.values():
-                    w = cell["per_window"]
-                    for e, k in zip(w["estimated_kl"], w["kl"]):
-                        if e:
-                            s = e / interpolate(WAS[model], n)
-                            old.append(k / e)
-                            new.append(k / (interpolate(scales, n) * s ** slope))
-            print(f"  {Path(path).stem}: {len(old)} | median {statistics.median(old):.2f} within {within(old):.0%}"
-                  f" -> median {statistics.median(new):.2f} within {within(new):.0%}")

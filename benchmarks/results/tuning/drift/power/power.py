@@ -1,6 +1,7 @@
 """Is the measured KL a power of the sampled one with an exponent below 1? Fit log(measured) = a_L + g log(sampled)
 on the seed-0 lanes runs (4 lanes x 16 steps under 2,048 tokens, 32 from 2,048), then apply each fit to the held-out
-seed-1 drift files (sampled = estimate / the calibration they were read with). python power.py"""
+seed-1 drift files as they were then (sampled = estimate / the calibration they were read with; the files have since
+been made again with the slope, so a run now no longer reproduces power.txt). python power.py"""
 import sys, math, statistics
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[5]
 sys.path.insert(0, str(ROOT / "examples")); sys.path.insert(0, str(ROOT))
@@ -36,8 +37,10 @@ for g in data:
     print(g, len(data[g]), "slope", round(fit([g]), 3))
 print("smol pooled slope", round(fit([g for g in data if g.startswith("smol")]), 3))
 import json, glob
-from klevict_cli.engine import DRIFT_CALIBRATION, drift_calibration
-from klevict_cli.calibrations import drift_points
+from klevict_cli.engine import DriftCalibration
+# the proportional calibration the held-out files were read with when this was run (before the slope)
+DRIFT_CALIBRATION = ((256, 0.44), (512, 0.52), (1024, 0.81), (4096, 0.87))
+drift_calibration = lambda points, tokens: DriftCalibration(points).scale(tokens)
 import torch
 from klevict_cli.oracle import spearman
 def heldout(model, L):

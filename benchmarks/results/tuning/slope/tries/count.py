@@ -1,6 +1,7 @@
 """How many budgets each --max-kl search measures, with the drift calibration as shipped (a slope) or as it was (one
-factor per length, slope 1), or the search's prior ratio set to X: the bench's tolerance run on the same windows,
-the engine's search wrapped to count. python count.py shipped|proportional|prior=X BENCH-ARGS..."""
+factor per length, slope 1: the default model's points, so for the default model only), or the search's prior ratio
+set to X: the bench's tolerance run on the same windows, the engine's search wrapped to count.
+python count.py shipped|proportional|prior=X BENCH-ARGS..."""
 import json, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[5]))
