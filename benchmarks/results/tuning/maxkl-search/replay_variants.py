@@ -6,15 +6,14 @@ they were recorded, a single factor per model (SmolLM2's 0.5, Gemma's 0.73 at 51
 python replay_variants.py SMOL_CURVES[,..] GEMMA_CURVES[,..]"""
 import bisect, json, statistics, sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+ROOT = Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "examples"))
 import klevict_cli.tolerance as T
-from klevict_cli import calibrations
-from klevict_cli.engine import DRIFT_CALIBRATION
+from maxkl_search import drift_calibration  # the calibration a model's reads use
 TOLS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
 shipped = {"BETA_THROUGH_ONE": T.BETA_THROUGH_ONE, "PRIOR_RATIO": T.PRIOR_RATIO, "_guess": T._guess}
 RECORDED_WITH = {"smol": 0.5, "gemma": 0.73}
-GEMMA = calibrations.drift_calibration(json.loads((Path(calibrations.FOLDER) / "gemma3-270m.json").read_text()))
-CALIBRATION = {"smol": DRIFT_CALIBRATION, "gemma": GEMMA}
+CALIBRATION = {"smol": drift_calibration(None), "gemma": drift_calibration("gemma3-270m")}
 
 
 def opening(measured, predicted, lo, hi, tolerance):
