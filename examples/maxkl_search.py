@@ -66,7 +66,7 @@ def drift_calibration(model: str | None):
     """The drift calibration a read of `model` uses: its shipped one, else the default model's (None: the default
     model; a name klevict ships no calibration file for is refused, not read with another model's)."""
     from klevict_cli import calibrations
-    from klevict_cli.engine import DRIFT_CALIBRATION
+    from klevict_cli.calibrations import DRIFT_CALIBRATION
 
     if model is None:
         return DRIFT_CALIBRATION

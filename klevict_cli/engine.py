@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, Lanes, forward_context
+from klevict_cli.calibrations import DRIFT_CALIBRATION, DriftCalibration
 from klevict_cli.cache import Evicted, KVCache, LayerStack, keep_orders, mask_columns, pad_stack
 from klevict_cli.errors import ModelError, ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
@@ -149,61 +150,6 @@ def drift_steps(tokens: int, asked: bool = True) -> int:
         if tokens >= DRIFT_CHEAP * DRIFT_LANES * steps:
             return steps
     return DRIFT_DRAFTS // 2 if asked else 0
-
-
-@dataclass(frozen=True)
-class DriftCalibration:
-    """What the model's own samples say about the text that follows: measured KL = scale(read length) * sampled
-    KL ** slope, the scale at each of `points` (read length in tokens, scale) interpolated in log(length) between
-    them and the nearest beyond them."""
-
-    points: tuple[tuple[int, float], ...]
-    slope: float = 1.0
-
-    def scale(self, tokens: int) -> float:
-        """The scale at a read of `tokens` tokens."""
-        points = sorted(self.points)
-        if tokens <= points[0][0]:
-            return points[0][1]
-        for (n0, c0), (n1, c1) in zip(points, points[1:]):
-            if tokens <= n1:
-                return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
-        return points[-1][1]
-
-    def estimate(self, sampled: float, ci95: float, tokens: int) -> tuple[float, float]:
-        """The estimated KL of a read of `tokens` from its `sampled` KL, and how far above it the upper end of the
-        sampled KL's 95 % interval (+ `ci95`) lands, carried through the same power: the estimate plus it is that
-        end (where slope < 1 the lower end lies further below than this; at slope 1 the interval is symmetric)."""
-        c = self.scale(tokens)
-
-        def power(s: float) -> float:
-            return c * max(s, 0.0) ** self.slope  # float32 passes may leave a KL of -1e-9
-
-        return power(sampled), power(sampled + ci95) - power(sampled)
-
-    def sampled_within(self, tolerance: float, tokens: int) -> float:
-        """The largest sampled KL whose estimate at a read of `tokens` is at most `tolerance` (to float rounding, and
-        never above it): a tolerance carried back through the calibration, for a search that compares sampled KLs
-        (`--max-kl`). 0 for a tolerance of 0; infinite for one beyond any float's estimate."""
-        if tolerance <= 0:
-            return 0.0
-        try:
-            sampled = (tolerance / self.scale(tokens)) ** (1 / self.slope)
-        except OverflowError:
-            return math.inf
-        while sampled > 0 and self.estimate(sampled, 0.0, tokens)[0] > tolerance:
-            sampled = math.nextafter(sampled, 0.0)
-        return sampled
-
-
-# The model's own samples (temperature 1) move further than the text that follows, the less so the longer the read
-# (the real text of a long read needs more of what was evicted: names copied from far back), and the more so the
-# further a cache moved (measured over sampled KL falls as the budget tightens). So the estimate is a power of the
-# sampled KL, scaled by the read's length: `DriftCalibration`, fitted on the seed-0 tuning windows of the default
-# model (both texts, kl and kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head; one slope over every length,
-# and at each length the scale that makes the median of measured over estimated 1: docs/method.md, "Estimated
-# drift"); every model reads with it unless klevict ships its own (calibrations.drift_calibration).
-DRIFT_CALIBRATION = DriftCalibration(((256, 0.268), (512, 0.2973), (1024, 0.4306), (4096, 0.5981)), slope=0.838)
 
 
 @dataclass(eq=False)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import DRIFT_CALIBRATION, DRIFT_DRAFTS, DRIFT_LANES, DriftCalibration, Engine, drift_steps
+from klevict_cli.calibrations import DRIFT_CALIBRATION, DriftCalibration
+from klevict_cli.engine import DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_steps
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
