@@ -1,8 +1,8 @@
 """The drift calibration klevict ships: measured KL = scale(L) * sampled KL ** slope, fitted on seed-0 tuning runs
-only (every drift measurement's per-token KL recorded: the lanes runs at 512-4,096 tokens and record.sh's), one
-slope per model over its read lengths (least squares in logs, each length centred on its own mean), and at each
-length the scale that makes the median of measured over estimated 1 on those windows (held out, the drift table's
-runs measure it: docs/benchmarks.md). python fit.py"""
+only (every drift measurement's per-token KL recorded: record.sh's here, the three-window 4,096-token runs, and
+../refit/record.sh's at 512 and 1,024 tokens), one slope per model over its read lengths (least squares in logs,
+each length centred on its own mean), and at each length the scale that makes the median of measured over
+estimated 1 on those windows (held out, the drift table's runs measure it: docs/benchmarks.md). python fit.py"""
 import math, statistics, sys
 from pathlib import Path
 
@@ -10,18 +10,19 @@ ROOT = Path(__file__).resolve().parents[5]
 sys.path.insert(0, str(ROOT / "examples"))
 from drift_lanes import pairs  # noqa: E402
 
-LANES, HERE = ROOT / "benchmarks/results/tuning/drift/lanes", Path(__file__).parent
+HERE = Path(__file__).parent
+REFIT = HERE.parent / "refit"  # refit/record.sh: 512 and 1,024 tokens recorded again with the code as it is
 RUNS = {"smollm2-135m": {256: [HERE / "lanes4-smol-moby-256", HERE / "lanes4-smol-hamlet-256"],
-                         512: [LANES / "lanes4-moby-512", LANES / "lanes4-hamlet-512"],
-                         1024: [LANES / "lanes4-moby-1024", LANES / "lanes4-hamlet-1024"],
+                         512: [REFIT / "lanes4-smol-moby-512", REFIT / "lanes4-smol-hamlet-512"],
+                         1024: [REFIT / "lanes4-smol-moby-1024", REFIT / "lanes4-smol-hamlet-1024"],
                          4096: [HERE / "lanes4-smol-moby-4096-w3", HERE / "lanes4-smol-hamlet-4096-w3"]},
         "gemma3-270m": {256: [HERE / "lanes4-gemma-moby-256", HERE / "lanes4-gemma-hamlet-256"],
-                        512: [LANES / "lanes4-gemma-moby-512", LANES / "lanes4-gemma-hamlet-512"],
+                        512: [REFIT / "lanes4-gemma-moby-512", REFIT / "lanes4-gemma-hamlet-512"],
                         1024: [HERE / "lanes4-gemma-moby-1024", HERE / "lanes4-gemma-hamlet-1024"]}}
-# SmolLM2's slope as first fitted, with one 4,096-token window a text (LANES / "lanes4-*-4096"); with three (w3,
-# recorded since) the fit gives 0.840, and the scales are taken at the slope shipped (the shipped scales at 256-1,024,
-# 0.268 / 0.2973 / 0.4306, are the first fit's at its unrounded slope; at 0.838 they read 0.2678 / 0.2971 / 0.4304)
-SLOPE = {"smollm2-135m": 0.838}
+# Every recording is of one vintage of the code (bfloat16 probes, the drift from the logits' change): the 512- and
+# 1,024-token recordings of the earlier code (../lanes/: float32 probes, two windows a text) gave SmolLM2 slope 0.838
+# and scales 0.268 / 0.297 / 0.431 / 0.598, Gemma 0.62 and 0.2025 / 0.2361 / 0.3659 (shipped until these were refitted)
+SLOPE: dict[str, float] = {}
 STEPS = lambda length: 32 if length >= 2048 else 16  # engine.drift_steps: what a read of this length samples per lane
 
 
