@@ -18,8 +18,8 @@ from transformers import PreTrainedModel
 from klevict_cli import attention
 from klevict_cli.adapters import ModelAdapter, run_with_cache
 from klevict_cli.attention import ForwardContext, Lanes, forward_context
-from klevict_cli.calibrations import DRIFT_CALIBRATION, DriftCalibration
 from klevict_cli.cache import Evicted, KVCache, LayerStack, keep_orders, mask_columns, pad_stack
+from klevict_cli.calibrations import DRIFT_CALIBRATION, DriftCalibration
 from klevict_cli.errors import ModelError, ResourceError
 from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, head_output_gradients
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
