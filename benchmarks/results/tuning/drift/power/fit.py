@@ -22,7 +22,6 @@ RUNS = {"smollm2-135m": {256: [HERE / "lanes4-smol-moby-256", HERE / "lanes4-smo
 # Every recording is of one vintage of the code (bfloat16 probes, the drift from the logits' change): the 512- and
 # 1,024-token recordings of the earlier code (../lanes/: float32 probes, two windows a text) gave SmolLM2 slope 0.838
 # and scales 0.268 / 0.297 / 0.431 / 0.598, Gemma 0.62 and 0.2025 / 0.2361 / 0.3659 (shipped until these were refitted)
-SLOPE: dict[str, float] = {}
 STEPS = lambda length: 32 if length >= 2048 else 16  # engine.drift_steps: what a read of this length samples per lane
 
 
@@ -37,24 +36,21 @@ def log_pairs(outs, length):
     return found
 
 
-def fit(by_length, slope=None):
-    """One slope over every length (each centred on its own means; or `slope`, given), then each length's
-    median-centred scale, and the slope fitted."""
+def fit(by_length):
+    """One slope over every length (each centred on its own means), then each length's median-centred scale."""
     num = den = 0.0
     for xy in by_length.values():
         mx, my = statistics.fmean(x for x, _ in xy), statistics.fmean(y for _, y in xy)
         num += sum((x - mx) * (y - my) for x, y in xy)
         den += sum((x - mx) ** 2 for x, _ in xy)
-    used = num / den if slope is None else slope
-    return used, {n: math.exp(statistics.median(y - used * x for x, y in xy)) for n, xy in by_length.items()}, num / den
+    slope = num / den
+    return slope, {n: math.exp(statistics.median(y - slope * x for x, y in xy)) for n, xy in by_length.items()}
 
 
 if __name__ == "__main__":
-    fits = {}
     for model, runs in RUNS.items():
         by_length = {n: log_pairs(outs, n) for n, outs in runs.items()
                      if all(Path(f"{o}.json").exists() for o in outs)}
-        slope, scales, fitted = fit(by_length, SLOPE.get(model))
-        fits[model] = slope, scales
-        print(f"{model}: slope {slope:.3f} (fitted {fitted:.3f}); scales " + ", ".join(f"{n}: {c:.4g}" for n, c in scales.items())
+        slope, scales = fit(by_length)
+        print(f"{model}: slope {slope:.3f}; scales " + ", ".join(f"{n}: {c:.4g}" for n, c in scales.items())
               + "; pairs " + ", ".join(f"{n}: {len(xy)}" for n, xy in by_length.items()))

@@ -9,6 +9,7 @@ M=/work/shared/data/moby-dick.txt
 rec() {  # NAME TEXT MODEL WINDOWS CONTEXT
   OMP_NUM_THREADS=1 .venv/bin/python examples/drift_lanes.py record $OUT/$1 --lanes 4 -- $2 --model $3 --methods kl,kl-reconstruct --budgets 50%,20%,10%,5%,32,64 --windows $4 --context $5 --seed 0 --estimate --quiet > $OUT/$1.log 2>&1
 }
+[[ "${BASH_SOURCE[0]}" != "$0" ]] && return  # sourced (refit/record.sh): `rec` and the texts only
 rec lanes4-smol-moby-256 $M smollm2-135m 4 256 & rec lanes4-smol-hamlet-256 $H smollm2-135m 4 256 & wait
 rec lanes4-gemma-moby-256 $M gemma3-270m 4 256 & rec lanes4-gemma-hamlet-256 $H gemma3-270m 4 256 & wait
 rec lanes4-gemma-moby-1024 $M gemma3-270m 2 1024 & rec lanes4-gemma-hamlet-1024 $H gemma3-270m 2 1024 & wait

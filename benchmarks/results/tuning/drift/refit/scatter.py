@@ -1,34 +1,22 @@
 """Where the drift estimate's error comes from, on seed-0 tuning recordings (drift_lanes.py record): each cache's
-log(measured / estimated) at the model's shipped slope (calibrations), centred on its length's median, split into the part shared
-by a window's twelve caches (between windows) and the rest (within a window), beside the estimate's own sampling
+log(measured / estimated) at the model's shipped slope, centred on its length's median, split into the part
+shared by a window's twelve caches (between windows) and the rest (within a window), beside the estimate's own sampling
 variance (the four lanes' spread, by the delta method: slope² var(lane KL) / (lanes · mean²)), and the within-window
 and between-window slopes of log measured on log sampled. python scatter.py"""
-import math, statistics, sys
+import json, math, statistics, sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "power"))
-from fit import RUNS, STEPS, log_pairs  # noqa: E402,F401  (RUNS: what the calibration is fitted on)
+from fit import RUNS, STEPS  # noqa: E402  (RUNS: what the calibration is fitted on)
 
 sys.path.insert(0, str(HERE.parents[4] / "examples"))
 from drift_lanes import pairs  # noqa: E402
-
-
-
-def shipped(model: str):
-    """The drift calibration klevict ships for `model` (the default model's where it has none of its own)."""
-    import json
-    from klevict_cli import calibrations
-    for path in sorted(calibrations.FOLDER.glob("*.json")):
-        data = json.loads(path.read_text())
-        if data.get("model") == model:
-            return calibrations.drift_calibration(data) or calibrations.DRIFT_CALIBRATION
-    return calibrations.DRIFT_CALIBRATION
+from maxkl_search import drift_calibration  # noqa: E402  (the calibration a model's reads use)
 
 
 def caches(out: Path, steps: int):
     """(window, budget label, per-lane sampled KLs, measured KL) of each cache of a recorded run."""
-    import json
     result = json.loads(Path(f"{out}.json").read_text())["fidelity"]["results"]
     found, by_measurement = [], iter(pairs(str(out)))
     for method, rows in result.items():
@@ -54,7 +42,7 @@ if __name__ == "__main__":
     print("model length | caches windows | total var (sd) | estimate's own sampling var | between-window var | "
           "within-window var | within 1.5x | slope within / between windows | mean residual at 50 %")
     for model, runs in RUNS.items():
-        slope = shipped(model).slope
+        slope = drift_calibration(model).slope
         for length, outs in runs.items():
             if not all(Path(f"{o}.json").exists() for o in outs):
                 continue
