@@ -27,24 +27,41 @@ from pathlib import Path
 FOLDER = Path(__file__).parent / "model_calibrations"
 
 
+def in_log_length(points: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """The value at a read of `tokens` tokens of (read length, value) `points`: interpolated in log(length) between
+    them, the nearest beyond them."""
+    points = tuple(sorted(points))
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (n0, c0), (n1, c1) in zip(points, points[1:]):
+        if tokens <= n1:
+            return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class DriftCalibration:
     """What the model's own samples say about the text that follows: measured KL = scale(read length) * sampled
     KL ** slope, the scale at each of `points` (read length in tokens, scale) interpolated in log(length) between
-    them and the nearest beyond them."""
+    them and the nearest beyond them; and how far the text that follows strays from that, `range80` (read length,
+    factor): the measured KL of 80 % of the tuning windows' caches fell within the estimate times or divided by the
+    factor (none where it was not measured)."""
 
     points: tuple[tuple[int, float], ...]
     slope: float = 1.0
+    range80: tuple[tuple[int, float], ...] = ()
 
     def scale(self, tokens: int) -> float:
         """The scale at a read of `tokens` tokens."""
-        points = sorted(self.points)
-        if tokens <= points[0][0]:
-            return points[0][1]
-        for (n0, c0), (n1, c1) in zip(points, points[1:]):
-            if tokens <= n1:
-                return c0 + (c1 - c0) * math.log(tokens / n0) / math.log(n1 / n0)
-        return points[-1][1]
+        return in_log_length(self.points, tokens)
+
+    def likely(self, estimate: float, tokens: int) -> tuple[float, float] | None:
+        """Where the KL of the text that follows a read of `tokens` lands for 80 % of caches estimated at
+        `estimate`: the estimate divided and multiplied by the factor at that length; None where it is not known."""
+        if not self.range80:
+            return None
+        factor = in_log_length(self.range80, tokens)
+        return estimate / factor, estimate * factor
 
     def estimate(self, sampled: float, ci95: float, tokens: int) -> tuple[float, float]:
         """The estimated KL of a read of `tokens` from its `sampled` KL, and how far above it the upper end of the
@@ -78,8 +95,11 @@ class DriftCalibration:
 # sampled KL, scaled by the read's length: `DriftCalibration`, fitted on the seed-0 tuning windows of the default
 # model (both texts, kl and kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head; one slope over every length,
 # and at each length the scale that makes the median of measured over estimated 1: docs/method.md, "Estimated
-# drift"); every model reads with it unless klevict ships its own (`drift_calibration`).
-DRIFT_CALIBRATION = DriftCalibration(((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), slope=0.822)
+# drift"); every model reads with it unless klevict ships its own (`drift_calibration`). The real next page still
+# scatters about the estimate by window, by about 2x either way for one cache in five: its 80 % range, fitted on
+# those windows and the seed-2 drift table's (docs/method.md, "How far to trust the estimate").
+DRIFT_CALIBRATION = DriftCalibration(((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), slope=0.822,
+                                     range80=((256, 2.12), (512, 1.91), (1024, 2.10), (4096, 1.93)))
 
 
 def shipped_file(weights_sha256: str) -> dict | None:
@@ -92,12 +112,14 @@ def shipped_file(weights_sha256: str) -> dict | None:
 
 
 def drift_calibration(data: dict | None) -> DriftCalibration | None:
-    """A calibration file's drift calibration — (read length, scale) points and a slope (1 where it has none) — where
-    the model has its own; None for the engine's."""
+    """A calibration file's drift calibration — (read length, scale) points, a slope (1 where it has none) and the
+    (read length, factor) points of its 80 % range (none where it has none) — where the model has its own; None for
+    the engine's."""
     if data is None or "drift_calibration" not in data:
         return None
     points = tuple((int(n), float(c)) for n, c in data["drift_calibration"])
-    return DriftCalibration(points, float(data.get("drift_slope", 1.0)))
+    range80 = tuple((int(n), float(f)) for n, f in data.get("drift_range80", ()))
+    return DriftCalibration(points, float(data.get("drift_slope", 1.0)), range80)
 
 
 def state_of(data: dict) -> dict[str, str]:

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import Count, TextStream, err, json_text, shown, visible
+from klevict_cli.display import Count, TextStream, drift_words, err, json_text, shown, visible
 from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
@@ -514,8 +514,7 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
 def drift_text(drift: dict | None) -> str:
     """A compress line's end: the cache's estimated drift, where it was measured."""
-    return "" if drift is None else (f"; estimated drift {drift['kl']:.3g} nats/token (95 % up to "
-                                     f"{drift['kl'] + drift['ci95']:.3g})")
+    return "" if drift is None else f"; estimated drift {drift_words(drift)}"
 
 
 def report_record(opts: dict, record: dict) -> None:

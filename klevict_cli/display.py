@@ -36,6 +36,16 @@ def json_text(payload: object) -> str:
     return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
 
 
+def drift_words(drift: dict) -> str:
+    """A cache's estimated drift (`Engine.measure_drift`) in words: the estimate, and where the KL of the text that
+    follows lands for 80 % of caches (`range80`) or, from a file written without that range, the upper end of the
+    samples' 95 % interval."""
+    if "range80" in drift:
+        low, high = drift["range80"]
+        return f"{drift['kl']:.3g} nats/token (80 % range {low:.2g}–{high:.2g})"
+    return f"{drift['kl']:.3g} nats/token (95 % up to {drift['kl'] + drift['ci95']:.3g})"
+
+
 def decode_spans(tokenizer, tokens: list[int], longest: int = 4) -> list[tuple[str, range]]:
     """The text of `tokens` piece by piece, each piece with the range of tokens it is the text of.
 

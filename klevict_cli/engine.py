@@ -674,14 +674,14 @@ class Engine:
         head = model.get_output_embeddings()
         return self.adapter.finish_logits(head(head_inputs.to(head.weight.dtype)).float())
 
-    def measure_drift(self, stream: Stream, drafted: Continuation) -> dict[str, float]:
+    def measure_drift(self, stream: Stream, drafted: Continuation) -> dict:
         """How far the read's evictions moved the model: a continuation sampled from the whole read's cache, read
         again over the cache after the last choice (its lanes in one forward), and the mean KL of its next-token
         distributions against those before (`sampled_kl`), with a 95 % interval over the lanes (a lane's tokens are
         not independent samples) — carried through the drift calibration at the read's length (`DriftCalibration`;
-        its `calibration` scale and `slope`) to an estimate of the KL of the text that follows (`kl`, `ci95`).
-        `covers`: "read", or "last eviction" where what earlier evictions dropped could not be set aside
-        (`Evicted`)."""
+        its `calibration` scale and `slope`) to an estimate of the KL of the text that follows (`kl`, `ci95`), and
+        where that KL lands for 80 % of caches (`range80`, where the calibration has measured it). `covers`: "read",
+        or "last eviction" where what earlier evictions dropped could not be set aside (`Evicted`)."""
         lanes = Lanes(stream.next_position, stream.next_rope, drafted.lanes)
         cheap = drafted.head_inputs is not None
         after, ctx = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True,
@@ -696,9 +696,13 @@ class Engine:
         spread = float(per_lane.std()) if per_lane.numel() > 1 else 0.0
         sampled, ci95 = float(kl.mean()), 1.96 * spread / math.sqrt(per_lane.numel())
         estimate, interval = self.drift_calibration.estimate(sampled, ci95, stream.next_position)
-        return {"kl": estimate, "ci95": interval, "drafts": kl.numel(), "sampled_kl": sampled,
-                "calibration": self.drift_calibration.scale(stream.next_position),
-                "slope": self.drift_calibration.slope, "covers": "read" if drafted.whole else "last eviction"}
+        drift = {"kl": estimate, "ci95": interval, "drafts": kl.numel(), "sampled_kl": sampled,
+                 "calibration": self.drift_calibration.scale(stream.next_position),
+                 "slope": self.drift_calibration.slope, "covers": "read" if drafted.whole else "last eviction"}
+        likely = self.drift_calibration.likely(estimate, stream.next_position)
+        if likely is not None and drafted.whole:  # the range was measured on whole reads' estimates
+            drift["range80"] = list(likely)
+        return drift
 
     @torch.inference_mode()
     def head_change(self, change: torch.Tensor) -> torch.Tensor:

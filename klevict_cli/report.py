@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from klevict_cli.display import visible
+from klevict_cli.display import drift_words, visible
 from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc, nbytes, quantized, width
 
 
@@ -76,8 +76,18 @@ def estimated_kl(meta: dict[str, str]) -> dict | None:
         drift = json.loads(meta["estimated_kl"])
     except (KeyError, ValueError):
         return None
-    numbers = isinstance(drift, dict) and all(isinstance(drift.get(k), (int, float)) for k in ("kl", "ci95", "drafts"))
-    return drift if numbers and all(math.isfinite(drift[k]) and drift[k] >= 0 for k in ("kl", "ci95")) else None
+    if not (isinstance(drift, dict) and all(sound(drift.get(k)) for k in ("kl", "ci95", "drafts"))):
+        return None
+    likely = drift.get("range80")
+    if likely is not None and not (isinstance(likely, list) and len(likely) == 2 and all(map(sound, likely))
+                                   and likely[0] <= likely[1]):
+        drift = {k: v for k, v in drift.items() if k != "range80"}  # the estimate stands without its range
+    return drift
+
+
+def sound(value: object) -> bool:
+    """A number a drift can hold: finite and not negative."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model: str | None = None,
@@ -109,9 +119,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         drift = info["estimated_kl"]
         # files written before the estimate covered the whole read say nothing of it: theirs is the last eviction's
         against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
-        upper = drift["kl"] + drift["ci95"]
-        table.add_row("estimated drift", f"{drift['kl']:.4g} nats per token, 95 % up to {upper:.3g} (KL against "
-                                         f"{against}, on {drift['drafts']} drafted tokens)")
+        table.add_row("estimated drift", f"{drift_words(drift)}, KL against {against}, on {drift['drafts']} "
+                                         "drafted tokens")
     elif meta.get("method", "none") != "none" and meta.get("budget_tokens", "all") != "all":
         table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "
                                          "measures it)")

@@ -264,7 +264,10 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert info["estimated_kl"] == drift
     plain = invoke("inspect", path)
     assert_ok(plain)
-    assert "estimated drift" in plain.stdout and f"{drift['kl']:.4g}" in plain.stdout
+    low, high = drift["range80"]
+    assert low < drift["kl"] < high  # where the text that follows lands for 80 % of caches
+    assert "estimated drift" in plain.stdout and f"{drift['kl']:.3g}" in plain.stdout
+    assert f"80 % range {low:.2g}–{high:.2g}" in " ".join(plain.stdout.split())
     assert drift["covers"] == "read" and "whole" in plain.stdout  # every eviction, not only the last
 
 

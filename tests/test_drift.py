@@ -81,6 +81,23 @@ def test_the_calibration_follows_the_read_length_between_its_measured_points():
     assert calibration.scale(2048) == pytest.approx(0.9) and calibration.scale(10**6) == 0.9
 
 
+def test_the_likely_range_is_the_estimate_times_or_divided_by_its_factor_at_the_read_length():
+    """Where the KL of the text that follows lands for 80 % of caches: the estimate divided and multiplied by the
+    factor measured at the read's length (interpolated in log(length) as the scale is); unknown without one. Both
+    models klevict ships with carry one, wider than nothing."""
+    from klevict_cli import calibrations
+
+    calibration = DriftCalibration(((256, 0.3),), range80=((256, 2.0), (1024, 3.0)))
+    assert calibration.likely(0.01, 100) == pytest.approx((0.005, 0.02))
+    assert calibration.likely(0.01, 512) == pytest.approx((0.004, 0.025))  # halfway in log(length)
+    assert calibration.likely(0.01, 10**6) == pytest.approx((0.01 / 3, 0.03))
+    assert DriftCalibration(((256, 0.3),)).likely(0.01, 512) is None
+    gemma = next(json.loads(p.read_text()) for p in calibrations.FOLDER.glob("*.json") if "gemma" in p.name)
+    for shipped in (DRIFT_CALIBRATION, calibrations.drift_calibration(gemma)):
+        assert shipped.range80 and all(factor > 1 for _, factor in shipped.range80)
+        assert {n for n, _ in shipped.range80} == {n for n, _ in shipped.points}  # measured where the scale was
+
+
 def test_the_estimate_is_a_power_of_the_sampled_kl_and_so_is_its_interval():
     """measured = scale * sampled ** slope: with a slope below 1 a cache that moved the samples ten times as far is
     estimated to have moved less than ten times as far; the estimate plus its interval is the sampled interval's
@@ -121,8 +138,9 @@ def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch)
     from klevict_cli.session import ReadSettings
     from tests.conftest import tiny_session
 
-    shipped = {"weights_sha256": "w", "drift_calibration": [[100, 3.0]], "drift_slope": 0.7}
-    assert calibrations.drift_calibration(shipped) == DriftCalibration(((100, 3.0),), 0.7)
+    shipped = {"weights_sha256": "w", "drift_calibration": [[100, 3.0]], "drift_slope": 0.7,
+               "drift_range80": [[100, 2.5]]}
+    assert calibrations.drift_calibration(shipped) == DriftCalibration(((100, 3.0),), 0.7, ((100, 2.5),))
     assert calibrations.drift_calibration({"drift_calibration": [[512, 2]]}) == DriftCalibration(((512, 2.0),), 1.0)
     assert calibrations.drift_calibration({"ratios": {}}) is None and calibrations.drift_calibration(None) is None
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -136,6 +154,8 @@ def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch)
     assert (drifts[1]["calibration"], drifts[1]["slope"]) == (3.0, 0.7)
     assert drifts[1]["sampled_kl"] == drifts[0]["sampled_kl"]
     assert drifts[1]["kl"] == pytest.approx(3.0 * drifts[1]["sampled_kl"] ** 0.7)
+    assert drifts[1]["range80"] == pytest.approx([drifts[1]["kl"] / 2.5, drifts[1]["kl"] * 2.5])
+    assert drifts[0]["range80"] == pytest.approx(list(DRIFT_CALIBRATION.likely(drifts[0]["kl"], 1)))
 
 
 def test_a_read_long_enough_samples_every_lane_in_full(monkeypatch):
@@ -199,6 +219,10 @@ def test_inspect_reads_only_a_sound_estimate():
     for bad in ('{"kl": -1, "ci95": 0, "drafts": 3}', '{"kl": "x"}', "[1]", "not json", '{"kl": NaN, "ci95": 0, "drafts": 1}'):
         assert estimated_kl({"estimated_kl": bad}) is None
     assert estimated_kl({}) is None
+    ranged = {**good, "range80": [0.005, 0.02]}
+    assert estimated_kl({"estimated_kl": json.dumps(ranged)}) == ranged
+    for bad in ([0.02, 0.005], [0.005], [-1, 0.02], "x", [0.005, None]):  # the estimate stands without its range
+        assert estimated_kl({"estimated_kl": json.dumps({**good, "range80": bad})}) == good
 
 
 def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():

