@@ -4,7 +4,7 @@ calibration: the seed-0 recordings the calibration is fitted on (power/fit.py's 
 record.sh here (seed 2; Gemma-3-270M seed 3 as well), pooled. Then how often caches of windows it was not fitted on land in their range: the seed-1
 drift table (benchmarks/results/drift/drift-*.json) and the caches the seed-1 `--max-kl` runs kept (maxkl-*.json).
 
-    python benchmarks/results/tuning/drift/range/range.py [--shipped]
+    python benchmarks/results/tuning/drift/range/range.py [--shipped]   (output: range.txt)
 
 --shipped: the held-out check with the factors the calibrations ship, instead of those fitted here."""
 import glob, json, math, re, statistics, sys
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from fit import RUNS, log_pairs  # noqa: E402  (RUNS: what the calibration is fitted on)
 from maxkl_search import drift_calibration  # noqa: E402  (the calibration a model's reads use)
 
-from klevict_cli.calibrations import in_log_length  # noqa: E402
+from klevict_cli.calibrations import DriftCalibration  # noqa: E402
 
 MODELS = {"smol": "smollm2-135m", "gemma": "gemma3-270m"}
 FRAME = {"smol": 24, "gemma": 1}  # tokens of chat frame before a window: a read of L tokens ends at L + FRAME
@@ -52,10 +52,11 @@ def factor(pairs: list[tuple[float, float]]) -> float:
 
 
 def coverage(pairs, factors: tuple[tuple[int, float], ...], length: int, model: str) -> tuple[int, int, int]:
-    """How many caches measured below, within and above their range (the factor at the read's end position)."""
-    f = in_log_length(factors, length + FRAME[model])
-    below = sum(m < e / f for e, m in pairs)
-    above = sum(m > e * f for e, m in pairs)
+    """How many caches measured below, within and above their range (as a read that ends at its window's end
+    position gets it: DriftCalibration.likely)."""
+    ranges = [DriftCalibration(((1, 1.0),), range80=factors).likely(e, length + FRAME[model]) for e, _ in pairs]
+    below = sum(m < low for (low, _), (_, m) in zip(ranges, pairs))
+    above = sum(m > high for (_, high), (_, m) in zip(ranges, pairs))
     return below, len(pairs) - below - above, above
 
 
