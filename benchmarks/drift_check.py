@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
 
-from klevict_cli.results import tolerances, within_factor  # noqa: E402
+from klevict_cli.results import RESAMPLES, tolerances, within_factor  # noqa: E402
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -133,6 +134,8 @@ def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
         if label not in sized:
             continue
         model, context, _ = label.split(" ", 2)
+        if result["fidelity"]["offsets"] != sized[label]["fidelity"]["offsets"]:
+            raise SystemExit(f"{label}: the --budget result read other windows")
         rows, budget_rows = result["fidelity"]["results"]["kl"], sized[label]["fidelity"]["results"]["kl"]
         for n, (column, tolerance) in enumerate(sorted(tolerances(result).items(), key=lambda item: item[1])):
             budget = list(budget_rows)[n]
@@ -141,13 +144,26 @@ def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
             entry["b"] += zip(budget_rows[budget]["per_window"]["cache_fraction"],
                               budget_rows[budget]["per_window"]["kl"])
     lines = ["", "| model · length · tolerance · budget | windows | kept: tolerance / budget | mean KL: tolerance / "
-                 "budget | ratio |", "|---|---|---|---|---|"]
+                 "budget | ratio [95 %] |", "|---|---|---|---|---|"]
     for label, entry in groups.items():
         kept_a, kl_a = (statistics.fmean(x) for x in zip(*entry["a"]))
         kept_b, kl_b = (statistics.fmean(x) for x in zip(*entry["b"]))
+        low, high = ratio_of_means_interval([kl for _, kl in entry["a"]], [kl for _, kl in entry["b"]])
         lines.append(f"| {label} | {len(entry['a'])} | {100 * kept_a:.1f} / {100 * kept_b:.1f} % | {kl_a:.4f} / "
-                     f"{kl_b:.4f} | {kl_a / kl_b:.2f}× |")
+                     f"{kl_b:.4f} | {kl_a / kl_b:.2f}× [{low:.2f}, {high:.2f}] |")
     return "\n".join(lines)
+
+
+def ratio_of_means_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of mean(a) / mean(b), the windows resampled in pairs: the issue compares
+    mean KLs, which a few hard windows dominate, so the interval says how much of a ratio the draw of windows allows."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(RESAMPLES):
+        picks = rng.choices(range(len(a)), k=len(a))
+        ratios.append(sum(a[i] for i in picks) / sum(b[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * (RESAMPLES - 1))], ratios[int(0.975 * (RESAMPLES - 1))]
 
 
 def within(ratios: list[float]) -> str:
