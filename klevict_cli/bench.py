@@ -47,7 +47,7 @@ from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
 from klevict_cli.display import shown
 from klevict_cli.prompts import encode_text
-from klevict_cli.results import TOLERANCE_PREFIX, summary, within_factor
+from klevict_cli.results import TOLERANCE_PREFIX, summary, windows_count, within_factor
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -622,7 +622,7 @@ def _method_table(console: Console, block: dict, labels: list[str], cell, title:
 def render(result: dict, console: Console) -> None:
     settings = result["settings"]
     labels = list(settings["budget_tokens"])
-    head = (f"{shown(settings['model'])} · {shown(settings['document']['name'])} · {settings['windows']} windows · "
+    head = (f"{shown(settings['model'])} · {shown(settings['document']['name'])} · {windows_count(settings['windows'])} · "
             f"seed {settings['seed']} · chunk {settings['chunk_size']}")
     fid = result.get("fidelity")
     if fid is not None:
@@ -682,4 +682,6 @@ def _is(value, best) -> bool:
 def _pm(s: dict, fmt: str) -> str:
     if s["mean"] is None:
         return "–"
+    if s.get("n", 2) < 2:  # one window: no interval to give
+        return f"{format(s['mean'], fmt)} (n = 1)"
     return f"{format(s['mean'], fmt)} ± {format(s['ci95'], fmt)}"

@@ -346,9 +346,10 @@ def read_summary(result) -> dict:
                      "tokens": result.document_tokens},
         "prefix_tokens": result.prefix_tokens,  # the chat frame's, before the document: the budget counts them too
         "method": result.settings.method,
-        "budget": str(result.settings.budget),
+        "budget": result.budget,  # as asked; null where none was (--max-kl, --max-bytes) or nothing is evicted
         "max_kl": result.settings.max_kl,
-        "budget_tokens": result.plan.budget,
+        "budget_tokens": result.plan.budget,  # the budget (or cap) in entries per KV head
+        "kept_budget": result.kept_budget,  # what the last eviction kept per KV head: --max-kl / --max-bytes choose it
         "position_mode": result.plan.mode,
         "kept_entries": kept,
         "cache_bytes": cache.nbytes(),
@@ -448,9 +449,10 @@ def compress(
     if to_stdout:
         check_stdout_for_binary(opts)
     else:
-        if file != "-" and Path(file).exists() and Path(file).resolve() == output.resolve():
-            raise UsageError(f"-o {output} is the input document; choose another output path")
-        check_destination(output, "-o")
+        if output.is_dir():
+            raise UsageError(f"-o {output} is a directory: give a .kvc file name, or {output}/ to write one .kvc per"
+                             " document in it")
+        check_destination(output, "-o", inputs=[file])
     session, result = read_document(opts, file, reconstruct_default=True)
     from klevict_cli.kvc import encode_kvc, save_kvc
 
@@ -461,7 +463,7 @@ def compress(
                "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
     stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
-            f" frame -> {result.plan.budget or 'all'} entries per head{stored} ({result.settings.method},"
+            f" frame -> {result.kept_budget or 'all'} entries per head{stored} ({result.settings.method},"
             f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
     line += drift_text(result.stream.drift)
     if opts["json"]:
@@ -667,7 +669,7 @@ def inspect(
     from klevict_cli.report import inspect_file
 
     if html_path is not None:
-        check_destination(html_path, "--html")
+        check_destination(html_path, "--html", inputs=[cache_file])
     decode = (text and not json_out) or html_path is not None
     model = (model or model_of(cache_file)) if decode else None
     html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
@@ -746,13 +748,13 @@ def bench(
     if settings.cache_dtypes and settings.max_bytes:
         raise UsageError("--max-bytes chooses the dtype: measure it in a run without --cache-dtype")
     if out_path is not None:
-        check_destination(out_path, "--out")
+        check_destination(out_path, "--out", inputs=[file])
     saved = load_saved_bench(out_path) if resume else None
     if plot is not None:
         from klevict_cli.plots import check_plot_target
 
         check_plot_target(plot)
-        check_destination(plot, "--plot")
+        check_destination(plot, "--plot", inputs=[file] + ([out_path] if out_path else []))
     document = load_document(file)
     session = session_for(opts)
     with progress_bar(opts["quiet"], unit="steps") as bar:

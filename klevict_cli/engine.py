@@ -53,6 +53,8 @@ class Stream:
     reconstructed: int = 0  # positions before this were judged by reconstruction probes (Engine.reconstruct)
     drift: dict[str, float] | None = None  # the read's last eviction, measured on its drafts (Engine.measure_drift)
     stored_as: str | None = None  # the dtype the cache is to be stored in (Engine's `storage`), when one is set
+    # entries per KV head the read's last eviction kept: the budget, or what `max_kl` / a storage choice settled on
+    kept_budget: int | None = None
     # what the read's evictions dropped, set aside until its last eviction's drift is measured (not cloned)
     evicted: Evicted | None = None
 
@@ -62,7 +64,8 @@ class Stream:
 
     def clone(self) -> Stream:
         return Stream(self.cache.clone(), list(self.tokens), self.next_rope, dict(self.policy_state),
-                      self.reconstructed, None if self.drift is None else dict(self.drift), self.stored_as)
+                      self.reconstructed, None if self.drift is None else dict(self.drift), self.stored_as,
+                      self.kept_budget)
 
 
 @dataclass
@@ -516,7 +519,7 @@ class Engine:
         if step.final and self.max_kl is not None and drafted is not None:
             budget, stream.drift, evicted = self._budget_within(stream, step, scores, recent, keep, targets, drafted)
             if evicted is not None:  # the search measured a copy evicted to that budget: evicting again redoes it
-                stream.cache, stream.next_rope = evicted.cache, evicted.next_rope
+                stream.cache, stream.next_rope, stream.kept_budget = evicted.cache, evicted.next_rope, budget
                 return
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         elif step.final and self.chooses_storage:
@@ -527,6 +530,8 @@ class Engine:
                 budget = self.storage[stream.stored_as]
             scores, targets = self._at_budget(stream, step, scores, recent, budget, targets)
         self._keep_best(stream, scores, recent, budget, keep, targets, stack)
+        if step.final:
+            stream.kept_budget = budget
 
     def _at_budget(self, stream: Stream, step: EvictionStep, scores: Mapping[int, torch.Tensor], recent: int,
                    budget: int, targets: dict | None) -> tuple[Mapping[int, torch.Tensor], dict | None]:

@@ -14,6 +14,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from klevict_cli.errors import OutputError, UsageError
@@ -64,8 +65,10 @@ def silence_stdout() -> None:
         os.close(null)
 
 
-def check_destination(path: Path, flag: str) -> None:
+def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = ()) -> None:
     """Refuse, before any long work, a target that `write_atomically` must not replace or could not create.
+
+    One of the command's `inputs` (a document, a cache) is never replaced by its output, whatever the path names it.
 
     The rules, one per kind of path: a symbolic link is followed, and the file it points to is what is written (the
     link stays); a directory is a bad option (`UsageError`); a device, FIFO or socket cannot be written as a file,
@@ -83,6 +86,9 @@ def check_destination(path: Path, flag: str) -> None:
         raise OutputError(f"{shown}: cannot write it ({exc.strerror or exc})") from None
     if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{shown} is a directory")
+    for source in inputs:
+        if mode is not None and str(source) != "-" and _same_file(path, Path(source)):
+            raise UsageError(f"{shown} is the input {source}; choose another output path")
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
                           " name, or - for standard output")
@@ -97,6 +103,13 @@ def check_destination(path: Path, flag: str) -> None:
     os.close(fd)
     with contextlib.suppress(OSError):
         probe.unlink()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def target_of(path: Path) -> Path:

@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 
 from klevict_cli.errors import UsageError
-from klevict_cli.results import SUBJECT, budgets, tolerances
+from klevict_cli.results import SUBJECT, budgets, tolerances, windows_count
 
 INSTALL = "pip install 'klevict[plot]'"
 FORMATS = (".png", ".svg", ".pdf")
@@ -83,7 +83,7 @@ def describe_axes(ax, kind: str, result: dict) -> None:
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
     if kind == "tolerance":
-        describe_tolerance_axes(ax, list(tolerances(result).values()), f"{s['windows']} windows")
+        describe_tolerance_axes(ax, list(tolerances(result).values()), windows_count(s['windows']))
         return
     if kind == "cost":
         ax.set_xlabel("KL(full ‖ compressed), nats/token")
@@ -96,7 +96,7 @@ def describe_axes(ax, kind: str, result: dict) -> None:
     if kind == "kl":
         ax.set_yscale("log")
         ax.set_ylabel("KL(full ‖ compressed), nats/token")
-        ax.set_title(f"KL against budget, mean ± 95 % over {s['windows']} windows")
+        ax.set_title(f"KL against budget, mean ± 95 % over {windows_count(s['windows'])}")
     else:
         ax.set_ylim(-3, 103)
         ax.set_ylabel("exact-match accuracy, %")
@@ -180,7 +180,7 @@ def frontier_figure(result: dict):
     ax.set_xlabel("keys and values, % of the float32 cache's bytes")
     ax.set_ylabel("KL(full ‖ stored), nats/token")
     s = result["settings"]
-    ax.set_title(f"KL against bytes, mean ± 95 % over {s['windows']} windows of {s['context']:,} tokens",
+    ax.set_title(f"KL against bytes, mean ± 95 % over {windows_count(s['windows'])} of {s['context']:,} tokens",
                  fontsize="medium")
     ax.legend(fontsize="small", frameon=False)
     return fig

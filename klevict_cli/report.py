@@ -47,8 +47,7 @@ def describe(path: Path, kvc: KvcFile) -> dict:
     meta = kvc.metadata
     per_layer = [layer.lengths.tolist() for layer in kvc.layers]
     n_tokens = len(kvc.tokens)
-    # the full cache in the file's float dtype; a quantized file's against float16 (what its codes replace)
-    itemsize = kvc.layers[0].keys.element_size() if kvc.layers and not quantized(kvc) else 2
+    itemsize = full_itemsize(kvc)
     full = sum(n_tokens * len(layer.lengths) * (width(layer.keys) + width(layer.values)) * itemsize
                for layer in kvc.layers)
     kept = sum(nbytes(layer.keys) + nbytes(layer.values) for layer in kvc.layers)
@@ -68,6 +67,18 @@ def describe(path: Path, kvc: KvcFile) -> dict:
         "longest_spans": sorted(runs, key=lambda r: r[0] - r[1])[:5],
         "estimated_kl": estimated_kl(meta),
     }
+
+
+FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def full_itemsize(kvc: KvcFile) -> int:
+    """Bytes per number of the full cache the file is measured against: the model's dtype, as `--max-bytes` counts
+    it; in files that do not name it, the file's float dtype, and float16 for a quantized file (what its codes
+    replace)."""
+    if kvc.metadata.get("model_dtype") in FLOAT_BYTES:
+        return FLOAT_BYTES[kvc.metadata["model_dtype"]]
+    return kvc.layers[0].keys.element_size() if kvc.layers and not quantized(kvc) else 2
 
 
 def estimated_kl(meta: dict[str, str]) -> dict | None:
@@ -108,9 +119,11 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         return
     meta = info["metadata"]
     table = Table(title=Text(visible(str(path))), show_header=False)
-    for key in ("model_id", "method", "budget", "budget_tokens", "position_mode", "prefix_tokens", "document_tokens",
-                "next_position",
-                "chunk_size", "cache_dtype", "source_name", "created", "klevict_version", "format_version"):
+    for key in ("model_id", "method", "budget", "budget_tokens", "max_kl", "max_bytes", "kept_budget",
+                "position_mode", "prefix_tokens", "document_tokens", "next_position", "chunk_size", "cache_dtype",
+                "model_dtype", "source_name", "created", "klevict_version", "format_version"):
+        if key == "kept_budget" and meta.get(key) == meta.get("budget_tokens"):
+            continue  # a budget kept as asked: said once
         if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
             table.add_row(key, Text(visible(meta[key])))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "

@@ -52,11 +52,15 @@ def resummarise(row: dict) -> None:
             row[key] = summary(row["per_window"][key])
 
 
+def windows_count(n: int) -> str:
+    return f"{n} window" if n == 1 else f"{n} windows"
+
+
 def windows_text(result: dict) -> str:
     """How many windows were measured: all of them, or (a run stopped early) how many of how many."""
     planned = result["settings"]["windows"]
     done = min((result[t].get("windows_done", planned) for t in TASKS if t in result), default=planned)
-    return f"{planned} windows" if done >= planned else f"{done} of {planned} planned windows (stopped early)"
+    return windows_count(planned) if done >= planned else f"{done} of {planned} planned windows (stopped early)"
 
 
 def budgets(result: dict) -> list[str]:

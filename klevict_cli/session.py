@@ -89,6 +89,18 @@ class ReadResult:
     logits: torch.Tensor | None = None  # the read's last next-token logits
     peak_cache_bytes: int = 0  # the most the cache held while reading (a chunk's forward: what was kept + the chunk)
 
+    @property
+    def budget(self) -> str | None:
+        """The budget as asked (`10%`), None where none was or the method keeps everything."""
+        asked = self.settings.budget is not None and self.settings.method != "none"
+        return str(self.settings.budget) if asked else None
+
+    @property
+    def kept_budget(self) -> int | None:
+        """Entries per KV head the cache was evicted to: the budget, or what `max_kl` / `max_bytes` chose within it;
+        None where everything read was kept."""
+        return self.stream.kept_budget if self.stream.kept_budget is not None else self.plan.budget
+
 
 def working_entries(working: float | Budget | None, budget: int | None) -> int | None:
     """The working limit in entries per head: a multiple of the budget, or a count (None: the engine's default)."""
@@ -294,6 +306,9 @@ class Session:
         hidden = chunk * max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0) * 4 * 8
         return int(weights + cache + scores + hidden + 300 * 2**20)  # + the Python/torch runtime
 
+    def model_dtype(self) -> str:
+        return str(next(self.lm.model.parameters()).dtype).removeprefix("torch.")
+
     def bytes_per_token(self) -> int:
         """Cache bytes per token read (every layer's keys and values, in the model's dtype)."""
         itemsize = next(self.lm.model.parameters()).element_size()
@@ -370,12 +385,14 @@ class Session:
             "model_id": self.lm.model_id,
             "klevict_version": __version__,
             "cache_dtype": dtype,
+            "model_dtype": self.model_dtype(),  # what the full cache would be in: inspect's "of ... full"
             **({"quant_group": str(GROUP), "quant_exact": str(EXACT)} if bits else {}),
             "position_mode": result.plan.mode,
             "next_position": str(stream.next_position),
             "next_rope": str(stream.next_rope),
-            "budget": str(settings.budget) if settings.budget is not None else "all",
+            "budget": result.budget or "all",
             "budget_tokens": str(result.plan.budget) if result.plan.budget is not None else "all",
+            "kept_budget": str(result.kept_budget) if result.kept_budget is not None else "all",
             "method": settings.method,
             "method_params": json.dumps(self.policy(settings.method).params(), sort_keys=True),
             "method_state": json.dumps(stream.policy_state, sort_keys=True),

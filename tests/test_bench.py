@@ -187,7 +187,9 @@ def test_bench_measures_byte_limits_as_compress_stores_them(session, document):
     assert 0 < row["cache_fraction"][0] <= 0.1
     console = Console(record=True, width=200)
     render(result, console)
-    assert "--max-bytes: bytes kept" in console.export_text()
+    text = console.export_text()
+    assert "--max-bytes: bytes kept" in text
+    assert " 1 window · " in text and "(n = 1)" in text and "± 0.0000" not in text  # one window: no interval
 
 
 def test_render_prints_every_method_and_budget(result):

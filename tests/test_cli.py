@@ -213,7 +213,7 @@ def test_summarize_methods(doc, model, method):
     assert data["method"] == method
     total = data["document"]["tokens"]
     if method == "none":  # the full cache: every streamed token in every layer and head, budget ignored
-        assert data["budget_tokens"] is None
+        assert data["budget"] is data["budget_tokens"] is data["kept_budget"] is None
         assert data["kept_entries"] > 3 * 2 * total
     else:
         assert data["budget_tokens"] == 64
@@ -321,8 +321,16 @@ def test_compress_max_kl_sizes_the_cache_by_the_tolerance(doc, model, tmp_path):
     assert strict["kept_entries"] == 3 * 2 * (strict["document"]["tokens"] + strict["prefix_tokens"])
     assert loose["kept_entries"] < capped["kept_entries"] == 3 * 2 * 64 < strict["kept_entries"]
     assert loose["estimated_kl"]["kl"] <= 100
+    # what was asked (no budget: null) and what the tolerance kept, per KV head: its mean over the heads, as kl
+    # spreads a budget over them
+    assert (loose["budget"], loose["budget_tokens"], capped["budget"], capped["kept_budget"]) == (None, None, "64", 64)
+    assert loose["kept_entries"] == 3 * 2 * loose["kept_budget"]
     info = json_out(invoke("inspect", tmp_path / "t.kvc", "--json"))
     assert info["metadata"]["max_kl"] == "1e-12" and info["metadata"]["budget"] == "64"
+    line = invoke("compress", doc, "-o", tmp_path / "loose.kvc", "--model", model, *FAST, "--max-kl", "100")
+    assert f"-> {loose['kept_budget']} entries per head" in line.stdout
+    shown = " ".join(invoke("inspect", tmp_path / "loose.kvc").stdout.replace("│", " ").split())
+    assert "budget all" in shown and "max_kl 100.0" in shown and f"kept_budget {loose['kept_budget']}" in shown
     config = tmp_path / "k.yaml"
     config.write_text("max_kl: 100\n")
     assert read("--config", str(config))["kept_entries"] == loose["kept_entries"]
@@ -365,6 +373,8 @@ def test_compress_within_a_byte_limit_chooses_a_dtype(doc, model, compressed, tm
     info = json_out(invoke("inspect", path, "--json"))
     assert summary["cache_dtype"] == info["metadata"]["cache_dtype"] in ("float16", "int8", "int4")
     assert info["metadata"]["max_bytes"] == "10%" and info["kv_bytes_kept"] <= 0.1 * full
+    # measured against the full cache in the model's dtype, as the limit is: within it by inspect's own reading
+    assert info["metadata"]["model_dtype"] == "float32" and info["kv_bytes_full"] == full and info["ratio"] <= 0.1
     assert_ok(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN))
     fixed = json_out(invoke("compress", doc, "-o", path, "--model", model, *FAST, "--max-bytes", "10%",
                             "--cache-dtype", "int8", "--json"))
@@ -386,16 +396,17 @@ def test_a_byte_limit_too_small_for_one_entry_per_head(doc, model, tmp_path):
 
 def test_compress_refuses_to_overwrite_its_input(doc, model, tmp_path, monkeypatch):
     original = doc.read_bytes()
-    assert_error(invoke("compress", doc, "-o", doc, "--model", model, *FAST), 2, "input document")
+    assert_error(invoke("compress", doc, "-o", doc, "--model", model, *FAST), 2, "is the input")
     assert doc.read_bytes() == original
     # The same file spelled differently is still the input.
     monkeypatch.chdir(doc.parent)
-    assert_error(invoke("compress", doc.name, "-o", f"./{doc.name}", "--model", model, *FAST), 2, "input document")
+    assert_error(invoke("compress", doc.name, "-o", f"./{doc.name}", "--model", model, *FAST), 2, "is the input")
     assert doc.read_bytes() == original
 
 
 def test_compress_refuses_a_directory_as_output(doc, model, tmp_path):
-    assert_error(invoke("compress", doc, "-o", tmp_path, "--model", model, *FAST), 2, str(tmp_path))
+    assert_error(invoke("compress", doc, "-o", tmp_path, "--model", model, *FAST), 2, str(tmp_path),
+                 f"{tmp_path}/ to write one .kvc per document")  # what a batch of one would write to
 
 
 @pytest.mark.parametrize(

@@ -294,6 +294,25 @@ def test_a_symlink_to_a_missing_folder_or_a_fifo_is_refused_as_unwritable(tmp_pa
             check_destination(path, "-o")
 
 
+def test_no_output_replaces_the_input_it_was_made_from(tiny_model_dir, tmp_path):
+    from klevict_cli.errors import UsageError
+    from klevict_cli.files import check_destination
+
+    from .test_cli import assert_error, assert_ok, invoke
+
+    doc, kvc = tmp_path / "doc.txt", tmp_path / "doc.kvc"
+    doc.write_text("The harbour master counted 17 ships on Monday and 23 on Friday. " * 4, encoding="utf-8")
+    assert_ok(invoke("compress", doc, "-o", kvc, "--model", str(tiny_model_dir), "--method", "none"))
+    cache = kvc.read_bytes()
+    assert_error(invoke("inspect", kvc, "--html", kvc), 2, "--html")
+    assert kvc.read_bytes() == cache
+    (tmp_path / "link.kvc").symlink_to(kvc)  # another name for the same file
+    for flag, inputs in (("--html", [tmp_path / "link.kvc"]), ("--out", ["-", doc, kvc])):
+        with pytest.raises(UsageError, match="is the input"):
+            check_destination(kvc, flag, inputs=inputs)
+    check_destination(tmp_path / "new.kvc", "-o", inputs=[doc])  # a path not yet written is no input
+
+
 def test_missing_folders_are_never_created_for_a_file_or_above_a_batch_outdir(tmp_path):
     from klevict_cli.errors import OutputError
     from klevict_cli.files import check_destination
