@@ -1,7 +1,7 @@
 """The drift estimate's 80 % range (calibrations.DriftCalibration.range80). Per model and read length, the factor
 within which the measured KL of 80 % of the tuning caches fell, either side of their estimate at the shipped
 calibration: the seed-0 recordings the calibration is fitted on (power/fit.py's RUNS) and the drift tables of
-record.sh here (seed 2; Gemma-3-270M seed 3 as well), pooled. Then how often caches of windows it was not fitted on land in their range: the seed-1
+record.sh here (seed 2; Gemma-3-270M seeds 3 and 4 as well), pooled. Then how often caches of windows it was not fitted on land in their range: the seed-1
 drift table (benchmarks/results/drift/drift-*.json) and the caches the seed-1 `--max-kl` runs kept (maxkl-*.json).
 
     python benchmarks/results/tuning/drift/range/range.py [--shipped]   (output: range.txt)
@@ -61,9 +61,9 @@ def coverage(pairs, factors: tuple[tuple[int, float], ...], length: int, model: 
 
 
 if __name__ == "__main__":
-    tuning = bench_logs(str(HERE / "drift-*-s[23]-*.json"))
+    tuning = bench_logs(str(HERE / "drift-*-s[2-9]-*.json"))
     fitted = {}
-    print("model length | tuning caches (seed 0 + seeds 2, 3) | factor: seed 0 / seeds 2, 3 / pooled")
+    print("model length | tuning caches (seed 0 + seeds 2-4) | factor: seed 0 / seeds 2-4 / pooled")
     for model in MODELS:
         for length, pairs in recorded(model).items():
             more = tuning.get((model, length), [])
