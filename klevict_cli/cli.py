@@ -549,7 +549,8 @@ def ask(
     cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
                                                       "a folder of them (a batch's OUTDIR/): one result per cache.",
                                                       show_default=False, metavar="CACHE")],
-    question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin.",
+    question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin "
+                                            "(several: each answer under a 'Q: question' line).",
                                             metavar="QUESTION")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
     max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
@@ -576,8 +577,8 @@ def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **
     """Answer each question from one loaded cache; --json lines carry `tag` (which cache) first."""
     budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
     for i, q in enumerate(questions):
-        if i and not opts["json"]:
-            echo("")
+        if len(questions) > 1 and not opts["json"]:  # answers hold blank lines: say where each one begins
+            echo(("\n" if i else "") + f"Q: {' '.join(q.split())}")
         answer = generate(opts, session, stream, q, meta["position_mode"],
                           method=meta.get("method", "none") if budget else "none", budget=budget)
         if opts["json"]:

@@ -569,6 +569,14 @@ def test_ask_questions_from_stdin_one_json_line_each(compressed, model):
                              input="\n".join(questions) + "\n\n"))
     assert [row["question"] for row in rows] == questions
     assert all({"question", "answer", "first_token_seconds"} <= set(row) for row in rows)
+    # plain: answers hold blank lines of their own, so each begins under its question
+    plain = invoke("ask", compressed[0], "-", "--model", model, *GEN, input="\n".join(questions) + "\n")
+    assert_ok(plain)
+    heads = [line for line in plain.stdout.splitlines() if line.startswith("Q: ")]
+    assert heads == [f"Q: {q}" for q in questions] and plain.stdout.startswith("Q: First question?\n")
+    one = invoke("ask", compressed[0], "-", "--model", model, *GEN, input="Only question?\n")
+    assert_ok(one)
+    assert "Q: " not in one.stdout  # one question: the answer alone, as with the question as an argument
 
 
 @pytest.mark.parametrize("command", ["ask", "summarize"])
