@@ -454,12 +454,13 @@ def compress(
                              " document in it")
         check_destination(output, "-o", inputs=[file])
     session, result = read_document(opts, file, reconstruct_default=True)
-    from klevict_cli.kvc import encode_kvc, save_kvc
+    from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
 
     cache = session.cache_file(result, cache_dtype=opts["cache_dtype"])
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
     summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result),
+               "cache_bytes": kv_bytes(cache),  # as stored: a quantized cache's codes, not the read's floats
                "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
     stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
     line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"

@@ -737,6 +737,11 @@ def nbytes(tensor: torch.Tensor | Quantized) -> int:
     return tensor.numel() * tensor.element_size() if _is_float(tensor) else tensor.nbytes()
 
 
+def kv_bytes(kvc: KvcFile) -> int:
+    """Bytes of every layer's keys and values as the file stores them (what `--max-bytes` limits)."""
+    return sum(nbytes(layer.keys) + nbytes(layer.values) for layer in kvc.layers)
+
+
 def _safetensors_name(dtype: torch.dtype) -> str:
     return _SAFETENSORS_NAMES.get(str(dtype), _dtype_name(dtype))
 

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import drift_words, visible
-from klevict_cli.kvc import KvcFile, check_vocabulary, load_kvc, nbytes, quantized, width
+from klevict_cli.kvc import KvcFile, check_vocabulary, kv_bytes, load_kvc, quantized, width
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -50,7 +50,7 @@ def describe(path: Path, kvc: KvcFile) -> dict:
     itemsize = full_itemsize(kvc)
     full = sum(n_tokens * len(layer.lengths) * (width(layer.keys) + width(layer.values)) * itemsize
                for layer in kvc.layers)
-    kept = sum(nbytes(layer.keys) + nbytes(layer.values) for layer in kvc.layers)
+    kept = kv_bytes(kvc)
     share = kept_share(kvc)
     runs = spans(share)
     return {

@@ -375,6 +375,7 @@ def test_compress_within_a_byte_limit_chooses_a_dtype(doc, model, compressed, tm
     assert info["metadata"]["max_bytes"] == "10%" and info["kv_bytes_kept"] <= 0.1 * full
     # measured against the full cache in the model's dtype, as the limit is: within it by inspect's own reading
     assert info["metadata"]["model_dtype"] == "float32" and info["kv_bytes_full"] == full and info["ratio"] <= 0.1
+    assert summary["cache_bytes"] == info["kv_bytes_kept"]  # compress reports the bytes it stored
     assert_ok(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN))
     fixed = json_out(invoke("compress", doc, "-o", path, "--model", model, *FAST, "--max-bytes", "10%",
                             "--cache-dtype", "int8", "--json"))
