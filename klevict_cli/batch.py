@@ -111,29 +111,39 @@ def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
     return shard is None or int(key[:16], 16) % shard[1] == shard[0]
 
 
-def kvc_names(paths: list[str]) -> dict[str, str]:
+def kvc_names(paths: list[str], owners: dict[str, str] | None = None) -> dict[str, str]:
     """Output names from the file names; names that would collide (case aside) all get a hash of their path.
 
-    Computed over every input, before sharding, so that each shard names its documents as the whole batch does.
+    `owners` (`manifest_owners`): the names earlier runs gave, to the source each was made from. A source keeps
+    the name it was given, and a name another source holds counts as a collision, so that runs into one folder
+    never write over each other's caches. Computed over every input, before sharding, so that each shard names its
+    documents as the whole batch does.
     """
+    owners = owners or {}
+    given = {source: name for name, source in owners.items()}
     stems = {p: (_UNSAFE.sub("_", Path(p).stem).strip("._") or "document") for p in paths}
     counts: dict[str, int] = {}
     for stem in stems.values():
         counts[stem.lower()] = counts.get(stem.lower(), 0) + 1
     names = {}
     for path, stem in stems.items():
-        if counts[stem.lower()] > 1:
-            stem = f"{stem}-{hashlib.sha256(os.path.normpath(path).encode()).hexdigest()[:8]}"
+        key = os.path.normpath(path)
+        if key in given:
+            names[path] = given[key]
+            continue
+        if counts[stem.lower()] > 1 or owners.get(f"{stem}.kvc".lower(), key) != key:
+            stem = f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         names[path] = stem + ".kvc"
     return names
 
 
-def plan_sources(paths: list[str], shard: tuple[int, int] | None) -> list[Source]:
+def plan_sources(paths: list[str], shard: tuple[int, int] | None, folder: Path | None = None) -> list[Source]:
     """Hash each file's bytes (streamed) and keep this shard's; a file that cannot be a document (unreadable,
-    binary from its first bytes, too large) is sharded by its path and fails later."""
+    binary from its first bytes, too large) is sharded by its path and fails later. `folder`: the OUTDIR whose
+    manifest says which names earlier runs gave."""
     from klevict_cli.documents import source_sha256
 
-    names = kvc_names(paths)
+    names = kvc_names(paths, manifest_owners(folder) if folder is not None else None)
     sources = []
     for path in paths:
         try:
@@ -305,6 +315,33 @@ def failed(source: Source, exc: Exception) -> dict:
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
+def manifest_text(path: Path) -> str:
+    """The manifest's text ('' where there is none yet)."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def written(text: str) -> Iterator[dict]:
+    """The manifest's records of caches written (status ok), in order; torn or foreign lines are skipped."""
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("status") == "ok" and isinstance(entry.get("kvc"), str):
+            yield entry
+
+
+def manifest_owners(folder: Path) -> dict[str, str]:
+    """Each cache name in `folder` (lower case) -> the source (normalised path) its latest write was made from."""
+    return {entry["kvc"].lower(): os.path.normpath(str(entry.get("source")))
+            for entry in written(manifest_text(folder / MANIFEST))}
+
+
 class Manifest:
     """`manifest.jsonl`: one line per document, each appended with a single write (whole lines, even from several
     shards at once); the last line for a source is its current state."""
@@ -312,21 +349,10 @@ class Manifest:
     def __init__(self, folder: Path):
         self.path = folder / MANIFEST
         self.done: set[tuple[str, str]] = set()  # (kvc, source sha256) recorded as ok
-        try:
-            text = self.path.read_bytes().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise OutputError(f"{self.path}: cannot read it ({exc.strerror or exc})") from None
+        text = manifest_text(self.path)
         if text and not text.endswith("\n"):  # a line torn by a crash: never glue the next one onto it
             self._append(b"\n")
-        for line in text.splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("status") == "ok":
-                self.done.add((entry.get("kvc"), entry.get("source_sha256")))
+        self.done.update((entry["kvc"], entry.get("source_sha256")) for entry in written(text))
 
     def add(self, record: dict) -> None:
         self._append((json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode())

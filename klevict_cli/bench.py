@@ -168,11 +168,41 @@ def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets:
 
 # ---- windows and haystacks -------------------------------------------------------------------------------------
 def draw_offsets(n_tokens: int, span: int, count: int, rng: random.Random) -> list[int]:
-    """`count` offsets drawn uniformly so that [offset, offset + span) fits in `n_tokens`."""
+    """`count` offsets drawn uniformly so that [offset, offset + span) fits in `n_tokens`. A window that would
+    overlap one drawn before it is drawn again, uniformly from the places clear of them all (kept where it fell if
+    the text has no such place): overlapping windows measure much the same text twice, while the intervals over
+    windows count them as independent. Windows are drawn in order from one generator, so the first N of N + k are
+    the same, and a window that overlapped nothing is where it always was."""
     if span > n_tokens:
         raise UsageError(f"the document has {n_tokens} tokens; a window needs {span}"
                          " (lower --context / --continuation)")
-    return [rng.randint(0, n_tokens - span) for _ in range(count)]
+    offsets: list[int] = []
+    for _ in range(count):
+        offset = rng.randint(0, n_tokens - span)
+        if any(abs(offset - other) < span for other in offsets):
+            clear = clear_offsets(n_tokens - span, span, offsets)
+            room = sum(high - low + 1 for low, high in clear)
+            if room:
+                pick = rng.randrange(room)
+                for low, high in clear:
+                    if pick <= high - low:
+                        offset = low + pick
+                        break
+                    pick -= high - low + 1
+        offsets.append(offset)
+    return offsets
+
+
+def clear_offsets(last: int, span: int, taken: list[int]) -> list[tuple[int, int]]:
+    """The runs [low, high] of offsets in [0, last] whose windows of `span` tokens overlap none of `taken`'s."""
+    runs, low = [], 0
+    for other in sorted(taken):
+        if other - span >= low:
+            runs.append((low, min(other - span, last)))
+        low = max(low, other + span)
+    if low <= last:
+        runs.append((low, last))
+    return [(a, b) for a, b in runs if a <= b]
 
 
 def fidelity_windows(session, doc_ids: list[int], context: int, continuation: int, count: int, seed: int

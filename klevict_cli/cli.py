@@ -112,6 +112,11 @@ QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progres
 MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
                                                 "memory than this (e.g. 4G).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
+BENCH_CONFIG = ("model", "chunk_size", "device", "dtype", "seed", "probe_window", "probe_dtype", "quiet", "json")
+BenchConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file of the model and reading options ("
+                                                     + ", ".join(k.replace("_", "-") for k in BENCH_CONFIG)
+                                                     + "); bench's own options are flags, and a note names any "
+                                                     "other key, which bench ignores.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
                                                  "moved the model (estimated_kl; 4 x 16-32 sampled tokens, 1-4 s "
                                                  "on a CPU). Default: on for compress of 1,024 tokens or more, off "
@@ -483,7 +488,7 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
     shard_ = batch.parse_shard(shard)
     folder = batch.output_folder(inputs, opts.get("output"))
-    sources = batch.plan_sources(batch.expand_inputs(inputs), shard_)
+    sources = batch.plan_sources(batch.expand_inputs(inputs), shard_, folder)
     batch.prepare_folder(folder)
     with progress_bar(opts["quiet"], unit="documents") as bar:
         docs = bar.add_task("documents", total=len(sources))
@@ -597,14 +602,15 @@ def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
     if opts["model"] is None:
         opts["model"] = first_model(caches)
     session = session_for(opts)
-    failures = 0
-    for i, path in enumerate(caches):
+    failures = answered = 0
+    for path in caches:
         source = None
         try:
             stream, meta = session.load(path)
             source = meta.get("source_name")
-            if not opts["json"]:
-                echo(("\n" if i else "") + f"==> {path} ({source}) <==")
+            if not opts["json"]:  # a blank line between caches' answers, none before the first printed
+                echo(("\n" if answered else "") + f"==> {path} ({source}) <==")
+            answered += 1
             answer_all(opts, session, stream, meta, questions, cache=str(path), source=source, status="ok")
         except KlevictError as exc:  # a bad cache, or a question that does not fit after this one
             failures += 1
@@ -724,7 +730,7 @@ def bench(
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     seed: SeedOpt = None, probe_window: ProbeOpt = None, probe_dtype: ProbeDtypeOpt = None, quiet: QuietOpt = None,
-    config: ConfigOpt = None,
+    config: BenchConfigOpt = None,
 ):
     """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
     from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
@@ -733,6 +739,10 @@ def bench(
 
     opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
                            probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
+    ignored = sorted(set(load_config(config)) - set(BENCH_CONFIG))  # e.g. a compress config's max_kl: not a list
+    if ignored:
+        note(opts, f"note: bench ignores {', '.join(ignored)} in {config}: give its own --"
+                   f"{ignored[0].replace('_', '-')} and other options as flags")
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)

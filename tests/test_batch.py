@@ -73,7 +73,33 @@ def test_names_are_stable_and_collisions_get_a_path_hash():
     assert kvc_names(["y/Report.txt", "x/report.md"]) == {k: v for k, v in names.items() if "report" in k.lower()}
 
 
+def test_a_name_an_earlier_run_gave_stays_with_its_source():
+    owners = {"report.kvc": os.path.normpath("x/report.md"), "notes-0a1b2c3d.kvc": os.path.normpath("z/notes.pdf")}
+    names = kvc_names(["y/Report.txt", "z/notes.pdf", "x/report.md"], owners)
+    assert names["x/report.md"] == "report.kvc"  # its own, though y/Report.txt collides with it in this run
+    assert names["z/notes.pdf"] == "notes-0a1b2c3d.kvc"  # the name it was given, hashed or not
+    assert names["y/Report.txt"].startswith("Report-")
+    alone = kvc_names(["y/Report.txt"], owners)  # another run, alone: the name is someone else's
+    assert alone == {"y/Report.txt": names["y/Report.txt"]}
+
+
 # ---- compress many -------------------------------------------------------------------------------------------
+def test_runs_into_one_folder_never_write_over_each_others_caches(corpus, model, tmp_path):
+    """Two runs whose documents share a file name: the second gets a name of its own, and a run of both later
+    writes no third cache (each keeps the name it was given)."""
+    out = tmp_path / "out"
+    for doc in ("a", "b", "a"):
+        assert_ok(invoke("compress", corpus / doc / "report.md", "-o", f"{out}/", "--model", model, *FAST_BATCH))
+    both = invoke("compress", corpus / "a" / "report.md", corpus / "b" / "report.md", "-o", f"{out}/", "--model",
+                  model, *FAST_BATCH, "--json")
+    assert [json.loads(line)["status"] for line in both.stdout.splitlines()] == ["skipped", "skipped"]
+    caches = {p.name for p in out.glob("*.kvc")}
+    (other,) = caches - {"report.kvc"}
+    assert "report.kvc" in caches and other.startswith("report-")
+    sources = {r["kvc"]: r["source"] for r in manifest(out)}
+    assert sources == {"report.kvc": str(corpus / "a" / "report.md"), other: str(corpus / "b" / "report.md")}
+
+
 def test_batch_writes_one_kvc_per_document_and_a_manifest(corpus, model, tmp_path):
     out = tmp_path / "out"
     result = invoke("compress", corpus, "-o", f"{out}/", "--model", model, *FAST_BATCH, "--json")
@@ -251,6 +277,9 @@ def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
     answers = {Path(a["cache"]).name: a for a in map(json.loads, result.stdout.splitlines())}
     assert answers["bad.kvc"]["status"] == "failed" and answers["bad.kvc"]["error"] == "CacheFileError"
     assert answers["doc0.kvc"]["status"] == answers["doc1.kvc"]["status"] == "ok"
+    (outdir / "a-bad.kvc").write_bytes(b"not a cache")  # first by name: its error, then no blank line on stdout
+    plain = invoke("ask", outdir, "Who is Ishmael?", *GEN)
+    assert plain.exit_code == EXIT_SOME_FAILED and plain.stdout.startswith("==> "), _show(plain)
 
 
 def test_ask_a_folder_without_caches_is_a_bad_cache(tmp_path):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from klevict_cli.bench import (
     BenchSettings,
     Fact,
+    clear_offsets,
     draw_offsets,
     insert_facts,
     make_facts,
@@ -232,6 +233,25 @@ def test_summary_interval():
 def test_offsets_fit_and_repeat():
     offsets = draw_offsets(1000, 300, 50, random.Random(0))
     assert all(0 <= o <= 700 for o in offsets) and offsets == draw_offsets(1000, 300, 50, random.Random(0))
+
+
+def test_windows_are_drawn_clear_of_each_other_and_more_windows_keep_the_first():
+    for seed in range(20):
+        offsets = draw_offsets(100_000, 16_640, 4, random.Random(seed))
+        assert all(abs(a - b) >= 16_640 for i, a in enumerate(offsets) for b in offsets[:i]), (seed, offsets)
+        assert draw_offsets(100_000, 16_640, 5, random.Random(seed))[:4] == offsets
+    # a draw that overlapped nothing is where a plain uniform draw puts it: earlier runs' windows stay put
+    rng = random.Random(1)
+    assert draw_offsets(10**7, 100, 3, random.Random(1)) == [rng.randint(0, 10**7 - 100) for _ in range(3)]
+    # no room for separate windows: they overlap rather than fail
+    assert len(draw_offsets(1000, 600, 3, random.Random(0))) == 3
+    rng = random.Random(2)
+    for _ in range(200):  # the places left clear, against every offset tried one by one
+        last, span = rng.randint(0, 60), rng.randint(1, 15)
+        taken = [rng.randint(0, last) for _ in range(rng.randint(0, 4))]
+        runs = clear_offsets(last, span, taken)
+        assert [o for a, b in runs for o in range(a, b + 1)] == \
+            [o for o in range(last + 1) if all(abs(o - t) >= span for t in taken)], (last, span, taken, runs)
 
 
 def test_facts_go_between_sentences():

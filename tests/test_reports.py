@@ -198,6 +198,18 @@ def test_bench_plot_end_to_end(tiny_model_dir, tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in result.stderr
 
 
+def test_bench_takes_the_reading_options_from_a_config_and_names_the_keys_it_ignores(tiny_model_dir, tmp_path):
+    doc, config = tmp_path / "doc.txt", tmp_path / "k.yaml"
+    doc.write_text(" ".join(CORPUS * 12), encoding="utf-8")
+    config.write_text("chunk_size: 32\nmax_kl: 0.05\nreconstruct: true\n")  # a compress config's keys, too
+    result = invoke("bench", doc, "--model", tiny_model_dir, "--methods", "kl", "--budgets", "50%", "--windows", "1",
+                    "--context", "96", "--continuation", "16", "--config", config, "--json")
+    assert_ok(result)
+    settings = json.loads(result.stdout)["settings"]
+    assert settings["chunk_size"] == 32 and settings["max_kl"] == [] and settings["reconstruct"] is False
+    assert f"bench ignores max_kl, reconstruct in {config}" in result.stderr
+
+
 def test_bench_plot_without_matplotlib_names_the_extra_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     result = invoke("bench", tmp_path / "missing.txt", "--plot", tmp_path / "b.png")
