@@ -652,8 +652,8 @@ def _method_table(console: Console, block: dict, labels: list[str], cell, title:
 def render(result: dict, console: Console) -> None:
     settings = result["settings"]
     labels = list(settings["budget_tokens"])
-    head = (f"{shown(settings['model'])} · {shown(settings['document']['name'])} · {windows_count(settings['windows'])} · "
-            f"seed {settings['seed']} · chunk {settings['chunk_size']}")
+    head = (f"{shown(settings['model'])} · {shown(settings['document']['name'])} · "
+            f"{windows_count(settings['windows'])} · seed {settings['seed']} · chunk {settings['chunk_size']}")
     fid = result.get("fidelity")
     if fid is not None:
         full = fid["full"]

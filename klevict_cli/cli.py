@@ -454,10 +454,8 @@ def compress(
     if to_stdout:
         check_stdout_for_binary(opts)
     else:
-        if output.is_dir():
-            raise UsageError(f"-o {output} is a directory: give a .kvc file name, or {output}/ to write one .kvc per"
-                             " document in it")
-        check_destination(output, "-o", inputs=[file])
+        check_destination(output, "-o", inputs=[file], folder_hint=f": give a .kvc file name, or {output}/ to write"
+                                                                    " one .kvc per document in it")
     session, result = read_document(opts, file, reconstruct_default=True)
     from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
 

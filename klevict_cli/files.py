@@ -65,10 +65,11 @@ def silence_stdout() -> None:
         os.close(null)
 
 
-def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = ()) -> None:
+def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), folder_hint: str = "") -> None:
     """Refuse, before any long work, a target that `write_atomically` must not replace or could not create.
 
     One of the command's `inputs` (a document, a cache) is never replaced by its output, whatever the path names it.
+    `folder_hint` ends the message for a directory (what the command would do with one instead).
 
     The rules, one per kind of path: a symbolic link is followed, and the file it points to is what is written (the
     link stays); a directory is a bad option (`UsageError`); a device, FIFO or socket cannot be written as a file,
@@ -85,7 +86,7 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = ()) 
     except OSError as exc:
         raise OutputError(f"{shown}: cannot write it ({exc.strerror or exc})") from None
     if mode is not None and stat.S_ISDIR(mode):
-        raise UsageError(f"{shown} is a directory")
+        raise UsageError(f"{shown} is a directory{folder_hint}")
     for source in inputs:
         if mode is not None and str(source) != "-" and _same_file(path, Path(source)):
             raise UsageError(f"{shown} is the input {source}; choose another output path")

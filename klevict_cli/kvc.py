@@ -737,6 +737,12 @@ def nbytes(tensor: torch.Tensor | Quantized) -> int:
     return tensor.numel() * tensor.element_size() if _is_float(tensor) else tensor.nbytes()
 
 
+def float_itemsize(name: str | None) -> int | None:
+    """Bytes per number of a float dtype a .kvc may hold, by its name (`float16`); None for any other name."""
+    code = next((c for c in _FLOATS if _DTYPES[c] == name), None)
+    return None if code is None else _ITEMSIZE[code]
+
+
 def kv_bytes(kvc: KvcFile) -> int:
     """Bytes of every layer's keys and values as the file stores them (what `--max-bytes` limits)."""
     return sum(nbytes(layer.keys) + nbytes(layer.values) for layer in kvc.layers)

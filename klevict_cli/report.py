@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import drift_words, visible
-from klevict_cli.kvc import KvcFile, check_vocabulary, kv_bytes, load_kvc, quantized, width
+from klevict_cli.kvc import KvcFile, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -69,15 +69,13 @@ def describe(path: Path, kvc: KvcFile) -> dict:
     }
 
 
-FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def full_itemsize(kvc: KvcFile) -> int:
     """Bytes per number of the full cache the file is measured against: the model's dtype, as `--max-bytes` counts
     it; in files that do not name it, the file's float dtype, and float16 for a quantized file (what its codes
     replace)."""
-    if kvc.metadata.get("model_dtype") in FLOAT_BYTES:
-        return FLOAT_BYTES[kvc.metadata["model_dtype"]]
+    model = float_itemsize(kvc.metadata.get("model_dtype"))
+    if model is not None:
+        return model
     return kvc.layers[0].keys.element_size() if kvc.layers and not quantized(kvc) else 2
 
 
