@@ -443,6 +443,9 @@ def compress(
     check_choice("engine", engine, ("local", "ray"))
     if workers is not None:
         check_positive_int("workers", workers)
+        if engine != "ray":  # the local engine reads one document at a time: a count it would ignore is refused
+            raise UsageError("--workers counts Ray actors: add --engine ray (the local engine reads one document"
+                             " at a time)")
     if is_batch(files, opts.get("output")) or shard is not None or engine != "local":
         compress_batch(opts, files, shard, engine, ray_address, workers)
         return

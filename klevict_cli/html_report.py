@@ -72,7 +72,7 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
 <p>{info['kv_bytes_kept'] / 1e6:.2f} MB of keys and values kept of {info['kv_bytes_full'] / 1e6:.2f} MB for the
 full cache ({100 * info['ratio']:.1f} %); file {info['file_bytes'] / 1e6:.2f} MB.
 {info['tokens_kept_anywhere']:,} of {info['tokens']:,} tokens are kept by at least one KV head, in
-{info['spans']:,} spans.{moved}</p>
+{info['spans']:,} span{'' if info['spans'] == 1 else 's'}.{moved}</p>
 <h2>The document</h2>
 <p class="legend">Each token is shaded by the share of (layer, KV head) slots that kept it:
 <span class="s0">evicted by all</span>{legend}. The first {esc(prefix)} tokens are the chat frame that opens the

@@ -204,6 +204,7 @@ def test_batch_output_is_the_same_as_one_file_at_a_time(corpus, model, tmp_path)
     (["-o", "OUT.kvc"], "folder"),
     (["--engine", "spark"], "--engine"),
     (["--workers", "0"], "--workers"),
+    (["--workers", "2"], "--engine ray"),
 ])
 def test_batch_usage_errors(corpus, model, extra, needle, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
