@@ -27,7 +27,7 @@ from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
-    load_config, merge_options, parse_byte_limit, resolve_device, resolve_dtype,
+    load_config, merge_options, parse_budget, parse_byte_limit, resolve_device, resolve_dtype,
 )
 from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
 
@@ -214,7 +214,30 @@ _patch_argument_help()
 
 
 def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
-    opts = merge_options(cli, load_config(config), DEFAULTS)
+    """Every option, from the command line, then the config file, then the defaults; checked. A bad value from the
+    file is refused naming the file and its key (the file's values that the command line leaves in force are
+    checked alone first), not a flag the user never typed."""
+    from_file = load_config(config)
+    in_force = {key: value for key, value in from_file.items() if cli.get(key) is None}
+    try:
+        check_options(merge_options({}, in_force, DEFAULTS))
+    except UsageError as err:
+        raise UsageError(f"config file {config}: {config_words(str(err), in_force)}") from None
+    return check_options(merge_options(cli, from_file, DEFAULTS))
+
+
+def config_words(message: str, from_file: dict) -> str:
+    """A checker's message about a flag, said of the config key it came from ("invalid --chunk-size" -> "invalid
+    chunk_size"): the flag names in it are those of keys the file sets."""
+    for key in sorted(from_file, key=len, reverse=True):
+        message = message.replace(f"--{key.replace('_', '-')}", key)
+    return message
+
+
+def check_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a malformed option with a UsageError that names it; returns `opts`."""
+    if opts.get("budget") is not None:
+        parse_budget(str(opts["budget"]))
     if opts.get("chunk_size") is not None:
         check_positive_int("chunk_size", opts["chunk_size"])
     check_positive_int("probe_window", opts["probe_window"])

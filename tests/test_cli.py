@@ -919,7 +919,16 @@ def test_budget_rejected(doc, model, budget):
 def test_bad_budget_from_config_is_rejected(doc, model, tmp_path):
     config = tmp_path / "klevict.yaml"
     config.write_text("budget: 150%\n")
-    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "--budget")
+    result = invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN)
+    assert_error(result, 2, f"config file {config}: invalid budget '150%'")
+    assert "--budget" not in result.stderr  # the key the user wrote, not a flag they never typed
+
+
+def test_a_bad_config_value_the_command_line_overrides_is_not_in_force(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text("budget: 150%\nchunk_size: 0\n")
+    assert_ok(invoke("summarize", doc, "--model", model, "--config", config, "--budget", "10%", "--chunk-size",
+                     "64", *GEN))
 
 
 # ---- documents -------------------------------------------------------------------------------------------------
@@ -997,7 +1006,8 @@ def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, mo
 def test_numeric_options_from_the_config_are_checked_too(doc, model, tmp_path):
     config = tmp_path / "klevict.yaml"
     config.write_text(f"seed: {2**70}\n")
-    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "--seed")
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config, *FAST, *GEN), 2, "invalid seed",
+                 str(config))
 
 
 @pytest.mark.parametrize(("option", "value"), [("--device", "tpu"), ("--device", "cuda:99"), ("--dtype", "float64")])
