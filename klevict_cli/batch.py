@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ MANIFEST = "manifest.jsonl"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf")  # what a folder given as input contributes
 EXIT_SOME_FAILED = 8
 _GLOB_MAGIC = re.compile(r"[*?[]")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_UNSAFE = re.compile(r"[^\w.-]+")  # letters and digits of any script stay: "Крейцерова соната" keeps its name
 
 
 @dataclass
@@ -121,7 +122,8 @@ def kvc_names(paths: list[str], owners: dict[str, str] | None = None) -> dict[st
     """
     owners = owners or {}
     given = {source: name for name, source in owners.items()}
-    stems = {p: (_UNSAFE.sub("_", Path(p).stem).strip("._") or "document") for p in paths}
+    stems = {p: (_UNSAFE.sub("_", unicodedata.normalize("NFC", Path(p).stem)).strip("._") or "document")
+             for p in paths}
     counts: dict[str, int] = {}
     for stem in stems.values():
         counts[stem.lower()] = counts.get(stem.lower(), 0) + 1

@@ -73,6 +73,14 @@ def test_names_are_stable_and_collisions_get_a_path_hash():
     assert kvc_names(["y/Report.txt", "x/report.md"]) == {k: v for k, v in names.items() if "report" in k.lower()}
 
 
+def test_names_keep_letters_of_any_script():
+    decomposed = "cafe\u0301.md"  # é as e + a combining accent, as macOS writes file names
+    names = kvc_names(["Крейцерова соната.txt", decomposed, "東京/報告.pdf", "\x07bell.txt"])
+    assert names["Крейцерова соната.txt"] == "Крейцерова_соната.kvc"
+    assert names[decomposed] == "caf\u00e9.kvc" and names["東京/報告.pdf"] == "報告.kvc"
+    assert names["\x07bell.txt"] == "bell.kvc"  # control characters are not kept
+
+
 def test_a_name_an_earlier_run_gave_stays_with_its_source():
     owners = {"report.kvc": os.path.normpath("x/report.md"), "notes-0a1b2c3d.kvc": os.path.normpath("z/notes.pdf")}
     names = kvc_names(["y/Report.txt", "z/notes.pdf", "x/report.md"], owners)
