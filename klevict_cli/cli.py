@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
 from klevict_cli.display import Count, TextStream, drift_words, err, json_text, shown, visible
-from klevict_cli.errors import KlevictError, ModelError, OutputError, UsageError
+from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
@@ -416,8 +416,9 @@ def summarize(
                            position_mode=position_mode, probe_window=probe_window, json=json_out,
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
+    prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] else DEFAULT_SUMMARY_PROMPT
     session, result = read_document(opts, file, reconstruct_default=False)
-    answer = generate(opts, session, result.stream, opts["prompt"] or DEFAULT_SUMMARY_PROMPT, result.plan.mode,
+    answer = generate(opts, session, result.stream, prompt_text, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
         emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
@@ -591,7 +592,7 @@ def ask(
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
                            no_repeat=no_repeat, json=json_out, quiet=quiet)
-    questions = _questions(question)
+    questions = _questions(opts, question)
     if len(cache_files) > 1 or cache_files[0].is_dir():
         ask_many(opts, cache_files, questions)
         return
@@ -671,14 +672,29 @@ def model_of(cache_file: Path) -> str:
                      " here; pass --model to say which model to use")
 
 
-def _questions(question: str) -> list[str]:
+def typed_text(opts: dict, name: str, typed: str | bytes) -> str:
+    """A question or prompt as text the tokenizer takes (documents.decode_typed), with a note on how it was read;
+    text that cannot be read is a bad argument (exit 2)."""
+    from klevict_cli.documents import decode_typed
+
+    try:
+        text, notes = decode_typed(name, typed)
+    except DocumentError as exc:
+        raise UsageError(str(exc)) from None
+    for line in notes:
+        note(opts, f"note: {line}")
+    return text
+
+
+def _questions(opts: dict, question: str) -> list[str]:
     if question != "-":
         if not question.strip():
             raise UsageError("the question is empty")
-        return [question]
+        return [typed_text(opts, "the question", question)]
     if sys.stdin is None or sys.stdin.closed:
         raise UsageError("standard input is closed; pass the question as an argument")
-    lines = [line.strip() for line in sys.stdin.read().splitlines()]
+    typed = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    lines = [line.strip() for line in typed_text(opts, "standard input", typed).splitlines()]
     lines = [line for line in lines if line]
     if not lines:
         raise UsageError("no questions on standard input (one per line)")

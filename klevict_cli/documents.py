@@ -103,7 +103,17 @@ def document_from_bytes(name: str, data: bytes) -> Document:
     return _document(name, (bytes(view[i:i + CHUNK]) for i in range(0, len(data), CHUNK)))
 
 
+def readable_name(name: str) -> str:
+    """A file name as text that can be stored (a .kvc's metadata, JSON) and printed: bytes of it that are not UTF-8,
+    which Python holds as lone surrogates, written as \\xNN escapes."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no byte made
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _document(name: str, chunks: Iterator[bytes]) -> Document:
+    name = readable_name(name)
     first = next(chunks, b"")
     if not first:
         raise DocumentError(f"{name}: is empty" + (" (nothing was piped in)" if name == STDIN_NAME else ""))
@@ -135,6 +145,18 @@ def decode_text(name: str, data: bytes) -> tuple[str, str | None]:
     """`decode_chunks` of bytes held whole; returns the text and the first note, if any."""
     text, notes = decode_chunks(name, iter([data]))
     return text, notes[0] if notes else None
+
+
+def decode_typed(name: str, typed: str | bytes) -> tuple[str, tuple[str, ...]]:
+    """What the user typed (a question, a prompt; from the command line or standard input), decoded as a document is:
+    Python holds an argument's bytes that are not UTF-8 as lone surrogates (surrogateescape), which the tokenizer
+    cannot take, so they are turned back into bytes and read by the documents' rules (Windows-1252, U+FFFD)."""
+    if isinstance(typed, str):
+        try:
+            typed = typed.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no byte made: not text a tokenizer reads
+            typed = typed.encode("utf-8", "replace")
+    return decode_chunks(name, iter([typed]))
 
 
 def decode_chunks(name: str, chunks: Iterator[bytes]) -> tuple[str, tuple[str, ...]]:

@@ -584,6 +584,15 @@ def check_vocabulary(path: Path | str, tokens: torch.Tensor, vocab_size: int) ->
         raise _error(path, f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab_size}")
 
 
+def check_tokenizer(path: Path | str, metadata: dict[str, str], tokenizer_sha256: str) -> None:
+    """Tokens decoded by another tokenizer than the one that made them read as garbage (`inspect --text --model`):
+    refused where the file names its tokenizer."""
+    made = metadata.get("tokenizer_sha256")
+    if made is not None and made != tokenizer_sha256:
+        raise _error(path, f"this cache was made with another tokenizer ({_show(made)[:12]}, this model's is"
+                           f" {_show(tokenizer_sha256)[:12]}) — leave out --model to read it with its own")
+
+
 # Metadata that must hold a count (or "all"), and metadata that must hold a JSON object.
 _COUNT_KEYS = ("next_position", "next_rope", "prefix_tokens", "document_tokens", "chunk_size", "probe_window",
                "budget_tokens")

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import drift_words, visible
-from klevict_cli.kvc import KvcFile, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
+from klevict_cli.kvc import KvcFile, check_tokenizer, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -167,7 +167,9 @@ def render_text(path: Path, kvc: KvcFile, model: str | None) -> list[tuple[str, 
     from klevict_cli.display import decode_spans
     from klevict_cli.models import load_model
 
-    tokenizer = load_model(model, quiet=True).tokenizer
+    lm = load_model(model, quiet=True)
+    tokenizer = lm.tokenizer
+    check_tokenizer(path, kvc.metadata, lm.tokenizer_sha256)
     check_vocabulary(path, kvc.tokens, len(tokenizer))
     share = kept_share(kvc).tolist()
     return [(visible(text, keep="\n\t"), max(share[i] for i in span))

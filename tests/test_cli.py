@@ -607,6 +607,23 @@ def test_plain_answers_are_printed_while_they_are_generated(doc, other_compresse
     assert result.stdout == visible(whole["answer"] if command == "ask" else whole["summary"], keep="\n\t") + "\n"
 
 
+def test_questions_and_prompts_that_are_not_utf8_are_read_as_documents_are(compressed, doc, model):
+    """A Windows-1252 byte in an argument (held by Python as a lone surrogate) or on standard input, and UTF-16
+    input: read as a document would be, with a note, never a traceback."""
+    latin = json_out(invoke("ask", compressed[0], "Caf\udce9 code?", "--model", model, *GEN, "--json"))
+    assert latin["question"] == "Café code?"
+    result = invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json", input=b"Caf\xe9 code?\n")
+    assert json_lines(result)[0]["question"] == "Café code?" and "Windows-1252" in result.stderr
+    wide = json_out(invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json",
+                           input="Who is Ishmael?".encode("utf-16")))
+    assert wide["question"] == "Who is Ishmael?"
+    assert_error(invoke("ask", compressed[0], "-", "--model", model, *GEN, input=b"\x00\x01binary\x00"), 2,
+                 "standard input", "binary")
+    summary = invoke("summarize", doc, "--model", model, *FAST, *GEN, "--prompt", "R\udce9sum\udce9?", "--json")
+    assert_ok(summary)
+    assert "the prompt is not UTF-8" in summary.stderr
+
+
 @pytest.mark.parametrize("stdin", ["", "\n  \n\t\n"], ids=["empty", "blank-lines"])
 def test_ask_empty_stdin_is_a_usage_error(compressed, model, stdin):
     assert_error(invoke("ask", compressed[0], "-", "--model", model, *GEN, input=stdin), 2, "standard input")
@@ -818,6 +835,18 @@ def test_inspect_text_shows_the_document(compressed):
     result = invoke("inspect", compressed[0], "--text")
     assert_ok(result)
     assert "Ishmael" in result.stdout.replace("⟦", "").replace("⟧", "")  # kept-span marks may split a word
+
+
+def test_inspect_text_with_another_tokenizer_is_refused(kvc_copy, model):
+    """Tokens decoded by a tokenizer that did not make them read as garbage: refused, as `ask` refuses the cache."""
+    from tests.test_kvc import raw_parts, write_raw
+
+    tensors, metadata = raw_parts(kvc_copy)
+    write_raw(kvc_copy, tensors, {**metadata, "tokenizer_sha256": "0" * 64})
+    for extra in (["--text"], ["--html", kvc_copy.with_suffix(".html")]):
+        assert_error(invoke("inspect", kvc_copy, "--model", model, *extra), 4, "another tokenizer", "--model")
+    assert not kvc_copy.with_suffix(".html").exists()
+    assert_ok(invoke("inspect", kvc_copy))  # the table needs no tokenizer
 
 
 def test_inspect_text_piped_marks_the_kept_spans(doc, model, tmp_path):
