@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from klevict_cli.documents import readable_name
 from klevict_cli.errors import CacheFileError, DocumentError, KlevictError, OutputError, UsageError
 
 MANIFEST = "manifest.jsonl"
@@ -93,7 +94,8 @@ def output_folder(inputs: list[str], output: str | None) -> Path:
     if output.endswith(("/", os.sep)) or path.is_dir():
         return path
     if path.exists() or path.suffix.lower() == ".kvc":
-        raise UsageError(f"-o {output} is a file; several documents need a folder (end it with /, e.g. -o caches/)")
+        raise UsageError(f"-o {output} is a file; a batch (several documents, --shard or --engine ray) writes into a"
+                         " folder (end it with /, e.g. -o caches/)")
     return path
 
 
@@ -112,16 +114,16 @@ def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
     return shard is None or int(key[:16], 16) % shard[1] == shard[0]
 
 
-def kvc_names(paths: list[str], owners: dict[str, str] | None = None) -> dict[str, str]:
+def kvc_names(paths: list[str], owners: dict[str, str | None] | None = None) -> dict[str, str]:
     """Output names from the file names; names that would collide (case aside) all get a hash of their path.
 
-    `owners` (`manifest_owners`): the names earlier runs gave, to the source each was made from. A source keeps
-    the name it was given, and a name another source holds counts as a collision, so that runs into one folder
-    never write over each other's caches. Computed over every input, before sharding, so that each shard names its
-    documents as the whole batch does.
+    `owners` (`folder_owners`): the names taken in OUTDIR, to the source each was made from (None: a file no batch
+    wrote). A source keeps the name it was given, and a name another source, or no source, holds counts as a
+    collision, so that runs into one folder never write over each other's caches nor over a file no batch wrote.
+    Computed over every input, before sharding, so that each shard names its documents as the whole batch does.
     """
     owners = owners or {}
-    given = {source: name for name, source in owners.items()}
+    given = {source: name for name, source in owners.items() if source is not None}
     stems = {p: (_UNSAFE.sub("_", unicodedata.normalize("NFC", Path(p).stem)).strip("._") or "document")
              for p in paths}
     counts: dict[str, int] = {}
@@ -129,7 +131,7 @@ def kvc_names(paths: list[str], owners: dict[str, str] | None = None) -> dict[st
         counts[stem.lower()] = counts.get(stem.lower(), 0) + 1
     names = {}
     for path, stem in stems.items():
-        key = os.path.normpath(path)
+        key = os.path.normpath(readable_name(path))  # as the manifest records it
         if key in given:
             names[path] = given[key]
             continue
@@ -142,10 +144,10 @@ def kvc_names(paths: list[str], owners: dict[str, str] | None = None) -> dict[st
 def plan_sources(paths: list[str], shard: tuple[int, int] | None, folder: Path | None = None) -> list[Source]:
     """Hash each file's bytes (streamed) and keep this shard's; a file that cannot be a document (unreadable,
     binary from its first bytes, too large) is sharded by its path and fails later. `folder`: the OUTDIR whose
-    manifest says which names earlier runs gave."""
+    names are taken (`folder_owners`)."""
     from klevict_cli.documents import source_sha256
 
-    names = kvc_names(paths, manifest_owners(folder) if folder is not None else None)
+    names = kvc_names(paths, folder_owners(folder) if folder is not None else None)
     sources = []
     for path in paths:
         try:
@@ -252,14 +254,14 @@ class Worker:
         from klevict_cli.documents import document_from_bytes
         from klevict_cli.kvc import encode_kvc
 
-        record = {"source": path, "source_sha256": hashlib.sha256(data).hexdigest(), "kvc": kvc}
+        record = {"source": readable_name(path), "source_file_sha256": hashlib.sha256(data).hexdigest(), "kvc": kvc}
         start = time.perf_counter()
         try:
             document = document_from_bytes(path, data)
             result = self.session.read(document, self.settings, progress)
             cache = self.session.cache_file(result, cache_dtype=self.opts.get("cache_dtype"))
             kept = sum(sum(c) for c in result.stream.cache.kept_counts())
-            cache.metadata.update(source_file_sha256=record["source_sha256"], batch_settings=self._key,
+            cache.metadata.update(source_file_sha256=record["source_file_sha256"], batch_settings=self._key,
                                   kept_entries=str(kept), **({"batch_quick": self._quick} if self._quick else {}))
             blob = encode_kvc(cache, kvc)
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
@@ -312,8 +314,8 @@ class LocalEngine:
 
 
 def failed(source: Source, exc: Exception) -> dict:
-    return {"source": source.path, "source_sha256": source.sha256, "kvc": source.kvc, "status": "failed",
-            "error": type(exc).__name__, "message": str(exc)}
+    return {"source": readable_name(source.path), "source_file_sha256": source.sha256, "kvc": source.kvc,
+            "status": "failed", "error": type(exc).__name__, "message": str(exc)}
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
@@ -338,10 +340,39 @@ def written(text: str) -> Iterator[dict]:
             yield entry
 
 
+def file_sha256(entry: dict) -> str | None:
+    """A manifest line's sha256 of its source file's bytes: `source_file_sha256`, the name the `.kvc` gives it, or
+    `source_sha256` in manifests of earlier versions (a name the `.kvc` uses for the hash of the text)."""
+    return entry.get("source_file_sha256", entry.get("source_sha256"))
+
+
 def manifest_owners(folder: Path) -> dict[str, str]:
     """Each cache name in `folder` (lower case) -> the source (normalised path) its latest write was made from."""
     return {entry["kvc"].lower(): os.path.normpath(str(entry.get("source")))
             for entry in written(manifest_text(folder / MANIFEST))}
+
+
+def folder_owners(folder: Path) -> dict[str, str | None]:
+    """Each name a `.kvc` in `folder` holds (lower case) -> its source: the manifest's, else that of a cache a
+    batch wrote before a crash took its line (`batch_source`), else None: a file no batch wrote, never replaced."""
+    owners = manifest_owners(folder)
+    unowned = {path.name.lower(): batch_source(path) for path in folder.glob("*.kvc")
+               if path.name.lower() not in owners}
+    return {**unowned, **owners}  # the manifest's names last: a source keeps the name the manifest gives it
+
+
+def batch_source(path: Path) -> str | None:
+    """The source (normalised path) a batch made the cache at `path` from, or None for any other file (only a
+    batch records `source_file_sha256`) and for one that cannot be read."""
+    from klevict_cli.kvc import read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except KlevictError:
+        return None
+    if "source_file_sha256" not in meta or not meta.get("source_name"):
+        return None
+    return os.path.normpath(meta["source_name"])
 
 
 class Manifest:
@@ -350,16 +381,16 @@ class Manifest:
 
     def __init__(self, folder: Path):
         self.path = folder / MANIFEST
-        self.done: set[tuple[str, str]] = set()  # (kvc, source sha256) recorded as ok
+        self.done: set[tuple[str, str]] = set()  # (kvc, source file's sha256) recorded as ok
         text = manifest_text(self.path)
         if text and not text.endswith("\n"):  # a line torn by a crash: never glue the next one onto it
             self._append(b"\n")
-        self.done.update((entry["kvc"], entry.get("source_sha256")) for entry in written(text))
+        self.done.update((entry["kvc"], file_sha256(entry)) for entry in written(text))
 
     def add(self, record: dict) -> None:
         self._append((json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode())
         if record["status"] == "ok":
-            self.done.add((record["kvc"], record["source_sha256"]))
+            self.done.add((record["kvc"], file_sha256(record)))
 
     def _append(self, data: bytes) -> None:
         try:
@@ -388,7 +419,7 @@ def finished(folder: Path, source: Source, key: Callable[[], str], quick: str | 
         return None
     if not (quick is not None and meta.get("batch_quick") == quick) and meta.get("batch_settings") != key():
         return None
-    return {"source": source.path, "source_sha256": source.sha256, "kvc": source.kvc,
+    return {"source": readable_name(source.path), "source_file_sha256": source.sha256, "kvc": source.kvc,
             "document_tokens": int(meta.get("document_tokens", 0)), "kept_entries": int(meta.get("kept_entries", 0)),
             "bytes": int(meta["file_size"]), "seconds": None, "status": "ok"}
 

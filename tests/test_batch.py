@@ -7,8 +7,10 @@ order; `ask OUTDIR/` answers from every cache with one model load.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -91,6 +93,13 @@ def test_a_name_an_earlier_run_gave_stays_with_its_source():
     assert alone == {"y/Report.txt": names["y/Report.txt"]}
 
 
+def test_a_kvc_no_batch_wrote_holds_its_name():
+    """A `.kvc` in OUTDIR that no batch wrote (owner None) is a name taken, as one another source owns is."""
+    names = kvc_names(["y/report.txt", "notes.md"], {"report.kvc": None})
+    assert names["y/report.txt"] == kvc_names(["x/report.md", "y/report.txt"])["y/report.txt"] != "report.kvc"
+    assert names["notes.md"] == "notes.kvc"
+
+
 # ---- compress many -------------------------------------------------------------------------------------------
 def test_runs_into_one_folder_never_write_over_each_others_caches(corpus, model, tmp_path):
     """Two runs whose documents share a file name: the second gets a name of its own, and a run of both later
@@ -108,6 +117,25 @@ def test_runs_into_one_folder_never_write_over_each_others_caches(corpus, model,
     assert sources == {"report.kvc": str(corpus / "a" / "report.md"), other: str(corpus / "b" / "report.md")}
 
 
+def test_a_batch_never_writes_over_a_kvc_it_did_not_write(corpus, model, tmp_path):
+    """A cache that `compress FILE -o OUTDIR/NAME.kvc` wrote is no batch's: the batch's document takes a name of
+    its own, and a re-run finds its own cache again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_ok(invoke("compress", corpus / "a" / "report.md", "-o", out / "report.kvc", "--model", model,
+                     *FAST_BATCH))
+    theirs = (out / "report.kvc").read_bytes()
+    args = ["compress", corpus / "b" / "report.md", "-o", f"{out}/", "--model", model, *FAST_BATCH, "--json"]
+    first = invoke(*args)
+    assert_ok(first)
+    (record,) = map(json.loads, first.stdout.splitlines())
+    assert record["status"] == "ok" and record["kvc"].startswith("report-")
+    assert (out / "report.kvc").read_bytes() == theirs
+    again = invoke(*args)
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped"]
+    assert sorted(p.name for p in out.glob("*.kvc")) == sorted(["report.kvc", record["kvc"]])
+
+
 def test_batch_writes_one_kvc_per_document_and_a_manifest(corpus, model, tmp_path):
     out = tmp_path / "out"
     result = invoke("compress", corpus, "-o", f"{out}/", "--model", model, *FAST_BATCH, "--json")
@@ -119,6 +147,9 @@ def test_batch_writes_one_kvc_per_document_and_a_manifest(corpus, model, tmp_pat
     assert sorted(p.name for p in out.glob("*.kvc")) == sorted(r["kvc"] for r in lines)
     for r in lines:
         assert r["bytes"] == (out / r["kvc"]).stat().st_size and r["document_tokens"] > 0 and r["kept_entries"] > 0
+        # the file's bytes, under the name the .kvc gives them (its `source_sha256` is the text's)
+        assert r["source_file_sha256"] == hashlib.sha256(Path(r["source"]).read_bytes()).hexdigest()
+        assert "source_sha256" not in r
     assert no_temp_files(out) == []
     assert "5 compressed, 0 already done, 0 failed" in result.stderr
 
@@ -183,6 +214,18 @@ def test_a_kvc_written_before_its_manifest_line_is_recorded_on_resume(corpus, mo
     kept = (out / MANIFEST).read_text().splitlines()
     assert kept[:2] == [lines[0], lines[1][:20]]  # the torn line is left alone, never glued to the next one
     assert [json.loads(line)["kvc"] for line in kept[::2]] == ["doc0.kvc", "doc1.kvc"] and len(kept) == 3
+
+
+def test_a_manifest_from_an_earlier_version_still_says_what_is_done(corpus, model, tmp_path):
+    """Manifests written before `source_file_sha256` named the file's hash `source_sha256`: a re-run reads both."""
+    out = tmp_path / "out"
+    args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH]
+    assert_ok(invoke(*args))
+    old = [{("source_sha256" if k == "source_file_sha256" else k): v for k, v in r.items()} for r in manifest(out)]
+    (out / MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in old), encoding="utf-8")
+    again = invoke(*args, "--json")
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+    assert manifest(out) == old  # recognised as recorded: no line added
 
 
 def test_shards_split_the_corpus_whatever_the_argument_order(corpus, model, tmp_path):
@@ -354,3 +397,15 @@ def test_a_batch_within_a_byte_limit_stores_each_cache_as_chosen_and_redoes_it_w
         assert meta["max_bytes"] == "20%" and meta["cache_dtype"] in ("float16", "int8", "int4")
     again = invoke(*args, "--max-bytes", "10%", "--json")
     assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["ok", "ok"]
+
+
+def test_a_file_name_that_is_not_utf8_is_recorded_with_escapes(corpus, model, tmp_path):
+    odd = os.fsdecode(bytes(corpus) + b"/bad\xffname.txt")
+    shutil.copyfile(corpus / "doc0.txt", odd)
+    out = tmp_path / "out"
+    assert_ok(invoke("compress", odd, corpus / "doc1.txt", "-o", f"{out}/", "--model", model, *FAST_BATCH))
+    sources = [json.loads(line)["source"] for line in (out / MANIFEST).read_text(encoding="utf-8").splitlines()]
+    assert any(s.endswith("bad\\xffname.txt") for s in sources) and (out / "bad_name.kvc").exists()
+    again = invoke("compress", odd, corpus / "doc1.txt", "-o", f"{out}/", "--model", model, *FAST_BATCH)
+    assert_ok(again)
+    assert "0 compressed, 2 already done" in again.stdout + again.stderr  # the escaped name is the same source
