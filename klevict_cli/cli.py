@@ -115,8 +115,9 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with
 BENCH_CONFIG = ("model", "chunk_size", "device", "dtype", "seed", "probe_window", "probe_dtype", "quiet", "json")
 BenchConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file of the model and reading options ("
                                                      + ", ".join(k.replace("_", "-") for k in BENCH_CONFIG)
-                                                     + "); bench's own options are flags, and a note names any "
-                                                     "other key, which bench ignores.")]
+                                                     + "); bench's own options (--budgets, --windows, ...) are "
+                                                     "flags only. A note names the config's other keys, which bench"
+                                                     " ignores.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
                                                  "moved the model (estimated_kl; 4 x 16-32 sampled tokens, 1-4 s "
                                                  "on a CPU). Default: on for compress of 1,024 tokens or more, off "
@@ -186,8 +187,13 @@ def _raise_terminated(signum, frame):
 
 def _show_usage_error(self, file=None) -> None:
     """Option-parser mistakes (unknown flag, missing value) get the same one-line form as every other error."""
-    hint = f" (see {self.ctx.command_path} --help)" if getattr(self, "ctx", None) is not None else ""
-    say(f"error: {self.format_message()}{hint}")
+    ctx = getattr(self, "ctx", None)
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    message = self.format_message()
+    if ctx is not None and ctx.info_name == "ask" and getattr(getattr(self, "param", None), "name", "") == "cache_files":
+        # given one argument, click takes it for QUESTION and says CACHE is missing, though the question is
+        message = "ask needs a cache and a question: klevict ask CACHE QUESTION (- reads questions from stdin)"
+    say(f"error: {message}{hint}")
 
 
 click.exceptions.UsageError.show = _show_usage_error
@@ -255,6 +261,8 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
     check_choice("method", opts["method"], METHOD_NAMES)
     if opts.get("max_kl") is not None:
         check_real("max_kl", float(opts["max_kl"]), float(opts["max_kl"]) > 0, "a positive number of nats per token")
+    if opts.get("max_kl") is not None and opts["method"] == "none":
+        raise UsageError("--max-kl needs an eviction method; --method none keeps every entry")
     if opts.get("max_bytes") is not None:
         parse_byte_limit(str(opts["max_bytes"]))
         if opts.get("max_kl") is not None:
@@ -307,9 +315,30 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
                        description=f"reading {shown(document.name)}")
 
         result = session.read(document, settings, advance, reserve=reserve)
-    for line in result.notes:
+    for line in result.notes + below_floor(result) + beyond_tolerance(result, opts.get("max_kl")):
         note(opts, f"note: {line}")
     return session, result
+
+
+def beyond_tolerance(result, max_kl: float | None) -> list[str]:
+    """`--max-kl` that no cache met: the largest was kept (docs/method.md), and the user is told so."""
+    drift = result.stream.drift
+    if max_kl is None or drift is None or drift["kl"] <= float(max_kl):
+        return []
+    return [f"no cache within the budget meets --max-kl {max_kl}: kept the largest, {result.kept_budget} entries per"
+            f" KV head, estimated drift {drift['kl']:.3g}"]
+
+
+def below_floor(result) -> list[str]:
+    """A share asked for that keeps fewer entries than the default's floor: said, as the share is kept (a count is
+    asked for as it is)."""
+    from klevict_cli.reading import DEFAULT_BUDGET
+
+    asked, kept, floor = result.settings.budget, result.plan.budget, DEFAULT_BUDGET.at_least
+    if asked is None or asked.fraction is None or asked.at_least or kept is None or kept >= floor:
+        return []
+    return [f"--budget {asked} keeps {kept} entries per KV head; below {floor} a short document loses facts the full"
+            f" cache answers (leave --budget out, or --budget {floor}, to keep at least {floor})"]
 
 
 def generate(opts: dict, session, stream, question: str, mode: str, **policy) -> dict:
@@ -332,6 +361,8 @@ def generate(opts: dict, session, stream, question: str, mode: str, **policy) ->
         answer = session.answer(stream, question, gen, mode, seed=opts["seed"], on_token=on_token, **policy)
     if text is not None:
         put(text.finish(answer["text"]) + "\n")
+    if answer["new_tokens"] == 0 and opts["max_new_tokens"] > 0:  # an empty result should not pass for success
+        note(opts, "note: the model ended its answer at once: no text")
     return answer
 
 
@@ -781,8 +812,8 @@ def bench(
                            probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
     ignored = sorted(set(load_config(config)) - set(BENCH_CONFIG))  # e.g. a compress config's max_kl: not a list
     if ignored:
-        note(opts, f"note: bench ignores {', '.join(ignored)} in {config}: give its own --"
-                   f"{ignored[0].replace('_', '-')} and other options as flags")
+        note(opts, f"note: bench ignores {', '.join(ignored)} in {config}: its own options (--budgets, --max-kl,"
+                   " ...) are flags; see klevict bench --help")
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)

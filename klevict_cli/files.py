@@ -78,6 +78,8 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     read-only mounts alike.
     """
     shown = f"{flag} {path}"
+    if str(path) == "-":  # elsewhere - is a standard stream: a file named "-" would surprise
+        raise UsageError(f"{shown}: give a file name ({flag} does not write to standard output)")
     path = target_of(path)
     try:
         mode = os.stat(path).st_mode

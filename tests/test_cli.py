@@ -1269,3 +1269,50 @@ def test_probe_dtype_is_recorded_and_checked_on_the_command_line_and_in_the_conf
     assert_error(invoke("compress", doc, "-o", out, "--model", model, "--probe-dtype", "float16"), 2, "probe-dtype")
     config.write_text("probe_dtype: int4\n")
     assert_error(invoke("summarize", doc, "--model", model, "--config", str(config)), 2, "probe_dtype")
+
+
+# ---- what a user is told -----------------------------------------------------------------------------------------
+def test_a_file_name_that_is_not_utf8_is_stored_with_escapes(doc, model, tmp_path):
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xffname.txt"))
+    shutil.copyfile(doc, odd)
+    out = tmp_path / "odd.kvc"
+    data = json_out(invoke("compress", odd, "-o", out, "--model", model, *FAST, "--json"))
+    assert data["document"]["name"].endswith("bad\\xffname.txt")
+    assert json_out(invoke("inspect", out, "--json"))["metadata"]["source_name"] == data["document"]["name"]
+
+
+def test_a_share_below_the_default_floor_is_kept_and_said(doc, model, tmp_path):
+    result = invoke("compress", doc, "-o", tmp_path / "a.kvc", "--model", model, "--budget", "5%", *FAST)
+    assert_ok(result)
+    assert "--budget 5% keeps" in result.stderr and "below 96" in result.stderr
+    counted = invoke("compress", doc, "-o", tmp_path / "b.kvc", "--model", model, "--budget", "20", *FAST)
+    assert_ok(counted)
+    assert "below 96" not in counted.stderr  # a count is asked for as it is
+
+
+def test_a_tolerance_no_cache_meets_is_said(doc, model, tmp_path):
+    result = invoke("compress", doc, "-o", tmp_path / "a.kvc", "--model", model, "--max-kl", "1e-12", "--budget",
+                    "40", *FAST, "--json")
+    assert "no cache within the budget meets --max-kl 1e-12" in result.stderr
+    assert json_out(result)["kept_budget"] == 40
+    assert_error(invoke("compress", doc, "-o", tmp_path / "b.kvc", "--model", model, "--max-kl", "0.01",
+                        "--method", "none", *FAST), 2, "--max-kl", "--method none")
+
+
+def test_outputs_named_dash_are_refused(compressed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_error(invoke("inspect", compressed[0], "--html", "-"), 2, "--html -", "file name")
+    assert not (tmp_path / "-").exists()
+
+
+def test_ask_with_one_argument_says_what_is_missing(compressed):
+    assert_error(invoke("ask", compressed[0]), 2, "klevict ask CACHE QUESTION")
+
+
+def test_an_empty_answer_is_said(compressed, model, monkeypatch):
+    from klevict_cli.session import Session
+
+    empty = {"text": "", "new_tokens": 0, "first_token_seconds": 0.0, "seconds": 0.0, "truncated_to_fit": False}
+    monkeypatch.setattr(Session, "answer", lambda self, *args, **kwargs: empty)
+    result = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN, "--json")
+    assert json_out(result)["answer"] == "" and "ended its answer at once" in result.stderr
