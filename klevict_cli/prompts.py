@@ -6,6 +6,10 @@ question is known. So the chat template is rendered once around a placeholder an
 the start of the user turn) is read first, then the document, and `suffix(question)` (the question, the end of the
 user turn and the assistant header) is appended at question time. Models without a chat template get a plain
 "Question: … Answer:" frame.
+
+A chat model ends its answer with an end-of-turn token (`stop_ids`). A plain frame has none: there the model goes on
+to invent the frame's next turn ("Question: …") and answer it too, so its answer ends where that turn begins
+(`PromptFrame.settled`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 DEFAULT_SUMMARY_PROMPT = "Summarize the text above in a few sentences."
 _PLACEHOLDER = "\u2063KLEVICT_DOCUMENT\u2063"
+QUESTION, ANSWER = "Question:", "Answer:"  # the plain frame's turns
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,16 @@ class PromptFrame:
     separator: str  # between the document and the question, inside the user turn
     closing: str  # after the question: end of turn + assistant header
     bos: list[int]
+    stops: tuple[str, ...] = ()  # texts that end the answer: the start of the frame's next turn (plain frames only)
+
+    def settled(self, text: str) -> tuple[int, bool]:
+        """How much of `text`, an answer still being written, is final: up to the first stop text (True: the answer
+        ends there, without it), else all but a tail that could still grow into one (False), so that streaming never
+        shows part of a stop text."""
+        cuts = [at for at in map(text.find, self.stops) if at >= 0]
+        if cuts:
+            return min(cuts), True
+        return len(text) - max((_partial(text, stop) for stop in self.stops), default=0), False
 
     def prefix_ids(self, tokenizer) -> list[int]:
         return self.bos + _encode(tokenizer, self.prefix)
@@ -29,6 +44,11 @@ class PromptFrame:
     def suffix_ids(self, tokenizer, question: str) -> list[int]:
         return _encode(tokenizer, self.separator) + encode_text(tokenizer, question.strip()) + _encode(
             tokenizer, self.closing)
+
+
+def _partial(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that `stop` begins with (and is not all of it)."""
+    return next((n for n in range(len(stop) - 1, 0, -1) if text.endswith(stop[:n])), 0)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -55,7 +75,7 @@ def frame_for(tokenizer) -> PromptFrame:
         if tokenizer.bos_token and prefix.startswith(tokenizer.bos_token):
             prefix, bos = prefix[len(tokenizer.bos_token) :], [tokenizer.bos_token_id]
         return PromptFrame(prefix, separator, closing, bos)
-    return PromptFrame("", "\n\nQuestion: ", "\nAnswer:", bos)
+    return PromptFrame("", f"\n\n{QUESTION} ", f"\n{ANSWER}", bos, stops=(f"\n{QUESTION}",))
 
 
 def bos_ids(tokenizer) -> list[int]:

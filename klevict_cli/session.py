@@ -320,8 +320,9 @@ class Session:
         method: str = "none", budget: int | None = None, on_token: Callable[[list[int]], None] | None = None,
     ) -> dict:
         """Answer one question from `stream` (left unchanged). With `method`/`budget`, long answers are kept within
-        the budget by decode-phase eviction. `on_token` sees the answer's tokens so far after each one (to print
-        them as they come). Returns text, token counts and timings."""
+        the budget by decode-phase eviction. A plain frame's answer ends where the model starts the frame's next
+        turn (`settled_tokens`). `on_token` sees the answer's final tokens so far after each one (to print them as
+        they come). Returns text, token counts and timings."""
         work = stream.clone()
         suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
         room = self.adapter.max_positions - work.next_rope - len(suffix)
@@ -341,8 +342,12 @@ class Session:
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)
+            shown, stopped = self.settled_tokens(tokens)
             if on_token is not None:
-                on_token(tokens)
+                on_token(shown)
+            if stopped:
+                tokens = shown
+                break
         total = time.perf_counter() - start
         text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return {
@@ -352,6 +357,21 @@ class Session:
             "seconds": total,
             "truncated_to_fit": max_new < gen.max_new_tokens,
         }
+
+    def settled_tokens(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """The answer's tokens as far as they are final (`PromptFrame.settled`): the longest start of `tokens` whose
+        text ends within the final part, and True where the answer ends there (a token that runs into the stop text
+        goes with it). Whole tokens, so that what streams out, the answer's text and its token count agree."""
+        if not self.frame.stops:  # a chat frame: its end-of-turn token ends the answer
+            return tokens, False
+        decode = functools.partial(self.lm.tokenizer.decode, skip_special_tokens=True)
+        text = decode(tokens)
+        end, stopped = self.frame.settled(text)
+        kept = len(tokens)
+        while len(text) > end:
+            kept -= 1
+            text = decode(tokens[:kept])
+        return tokens[:kept], stopped
 
     # ---- files ---------------------------------------------------------------------------------------------
     def kv_heads(self) -> list[int]:
