@@ -28,7 +28,7 @@ MANIFEST = "manifest.jsonl"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf")  # what a folder given as input contributes
 EXIT_SOME_FAILED = 8
 _GLOB_MAGIC = re.compile(r"[*?[]")
-_UNSAFE = re.compile(r"[^\w.-]+")  # letters and digits of any script stay: "Крейцерова соната" keeps its name
+_UNSAFE = re.compile(r"[^\w.-]+")  # letters and digits of any script stay: "Крейцерова соната" keeps them
 
 
 @dataclass

@@ -190,7 +190,8 @@ def _show_usage_error(self, file=None) -> None:
     ctx = getattr(self, "ctx", None)
     hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
     message = self.format_message()
-    if ctx is not None and ctx.info_name == "ask" and getattr(getattr(self, "param", None), "name", "") == "cache_files":
+    missing = getattr(getattr(self, "param", None), "name", "")
+    if ctx is not None and ctx.info_name == "ask" and missing == "cache_files":
         # given one argument, click takes it for QUESTION and says CACHE is missing, though the question is
         message = "ask needs a cache and a question: klevict ask CACHE QUESTION (- reads questions from stdin)"
     say(f"error: {message}{hint}")
@@ -479,10 +480,10 @@ def compress(
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16, "
                                                     "bfloat16, int8 or int4 (per-group codes; default: the model's "
                                                     "dtype).")] = None,
-    max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Keep keys and values within this size (40M,"
-                                                  " or 5% of the full cache's), choosing float16, int8 or int4 and "
-                                                  "the entries each fits by the drift their cache gives; with "
-                                                  "--cache-dtype, that dtype.")] = None,
+    max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Keep keys and values within this size (40M"
+                                                  " = 40 MiB, or 5% of the full cache's), choosing float16, int8 or "
+                                                  "int4 and the entries each fits by the drift their cache gives; "
+                                                  "with --cache-dtype, that dtype.")] = None,
     max_kl: MaxKlOpt = None, estimate: EstimateOpt = None, probe_dtype: ProbeDtypeOpt = None,
     max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):

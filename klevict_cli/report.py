@@ -17,7 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from klevict_cli.display import drift_words, visible
+from klevict_cli.errors import UsageError
 from klevict_cli.kvc import KvcFile, check_tokenizer, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
+from klevict_cli.options import parse_size
 
 
 def kept_share(kvc: KvcFile) -> torch.Tensor:
@@ -94,6 +96,15 @@ def estimated_kl(meta: dict[str, str]) -> dict | None:
     return drift
 
 
+def in_megabytes(size: str) -> str:
+    """' (1.05 MB)' for a size such as '1.00 MiB' (how `--max-bytes` is stored): the table's other sizes are decimal
+    megabytes, and a limit in MiB beside them would look exceeded. '' for anything else (a share: '5%')."""
+    try:
+        return f" ({parse_size('max_bytes', size) / 1e6:.2f} MB)" if size and not size.endswith("%") else ""
+    except UsageError:
+        return ""
+
+
 def sound(value: object) -> bool:
     """A number a drift can hold: finite and not negative."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
@@ -123,7 +134,7 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         if key == "kept_budget" and meta.get(key) == meta.get("budget_tokens"):
             continue  # a budget kept as asked: said once
         if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
-            table.add_row(key, Text(visible(meta[key])))
+            table.add_row(key, Text(visible(meta[key]) + in_megabytes(meta[key] if key == "max_bytes" else "")))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "
                                 f"full ({100 * info['ratio']:.1f} %), file {info['file_bytes'] / 1e6:.2f} MB")
     if info["estimated_kl"] is not None:
