@@ -158,7 +158,7 @@ def load_config(path: Path | None) -> dict:
     except OSError as exc:
         raise UsageError(f"{where}: cannot read: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(source)
+        data = yaml.load(source, Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise UsageError(f"{where}: malformed YAML{_yaml_position(exc)}") from None
     if data is None:  # an empty file, or only comments
@@ -208,6 +208,23 @@ def _describe(value: object) -> str:
     if isinstance(value, dict | list):
         return f"a {'mapping' if isinstance(value, dict) else 'list'}"
     return f"{value!r}"
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently: a user who
+    wrote `budget:` twice would not know which one counts)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # not an option name: refused later as an unknown key
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_position(exc: yaml.YAMLError) -> str:

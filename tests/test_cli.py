@@ -1101,8 +1101,8 @@ def test_config_applies_to_ask(compressed, model, tmp_path):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [("budget: 64\nbudjet: 5%\n", "budjet"), ("chunk_size: lots\n", "chunk_size"), ("- a\n- b\n", "mapping"),
-     ("budget: [1, 2\n", "YAML")],
-    ids=["unknown-key", "wrong-type", "not-a-mapping", "malformed"],
+     ("budget: [1, 2\n", "YAML"), ("budget: 10%\nseed: 1\nbudget: 20%\n", "key 'budget' is given twice")],
+    ids=["unknown-key", "wrong-type", "not-a-mapping", "malformed", "a-key-twice"],
 )
 def test_bad_config(doc, model, tmp_path, text, needle):
     config = tmp_path / "klevict.yaml"
@@ -1316,3 +1316,9 @@ def test_an_empty_answer_is_said(compressed, model, monkeypatch):
     monkeypatch.setattr(Session, "answer", lambda self, *args, **kwargs: empty)
     result = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN, "--json")
     assert json_out(result)["answer"] == "" and "ended its answer at once" in result.stderr
+
+
+def test_inspect_shows_a_byte_limit_in_the_tables_units():
+    from klevict_cli.report import in_megabytes
+
+    assert in_megabytes("1.00 MiB") == " (1.05 MB)" and in_megabytes("5%") == "" and in_megabytes("junk") == ""
