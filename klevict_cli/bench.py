@@ -448,11 +448,12 @@ def build_recall(session, doc_ids: list[int], settings: BenchSettings, rng: rand
 
 
 def answer(session, engine, stream, question: str, max_new: int, start: str = "") -> str:
-    """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`; the answer begins with
-    `start` (given, not generated, and not returned)."""
+    """Greedy answer through the chat frame, as `Session.answer` does, on a copy of `stream`, ending where it does
+    (a plain frame's next turn: `Session.settled_tokens`); the answer begins with `start` (given, not generated, and
+    not returned)."""
     work = stream.clone()
     suffix = session.frame.suffix_ids(session.lm.tokenizer, question) + encode_text(session.lm.tokenizer, start)
-    tokens = list(engine.generate(work, suffix, max_new, session.stop_ids))
+    tokens, _ = session.settled_tokens(list(engine.generate(work, suffix, max_new, session.stop_ids)))
     return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
