@@ -162,12 +162,14 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         console.print(LEGEND)
         console.print(styled(rendered))
     elif rendered is not None:
-        console.print(f"legend: {KEPT_MARKS[0]}kept by at least one KV head{KEPT_MARKS[1]}, the rest evicted by all",
-                      markup=False)
+        console.print(f"legend: {KEPT_MARKS[0]}kept by half the KV heads or more{KEPT_MARKS[1]}, the rest by fewer or"
+                      " none", markup=False)
         console.print(marked(rendered), markup=False, emoji=False)
 
 
 KEPT_MARKS = ("⟦", "⟧")  # rarely in a document, unlike [ ]: piped output marks kept spans with them
+MOSTLY_KEPT = 0.5  # a share of the heads: most budgets keep nearly every token in some head, so "kept by any" says
+# little; kept by half or more is what a pipe marks and a terminal shows in bold
 LEGEND = Text.assemble("legend: ", ("kept by half the KV heads or more", "bold yellow"), " · ",
                        ("kept by fewer", "yellow"), " · ", ("evicted by all", "dim"))
 
@@ -191,15 +193,15 @@ def styled(pieces: list[tuple[str, float]]) -> Text:
     """For a terminal: kept tokens highlighted by how many heads kept them (see LEGEND)."""
     out = Text()
     for piece, s in pieces:
-        out.append(piece, style="dim" if s == 0 else ("bold yellow" if s >= 0.5 else "yellow"))
+        out.append(piece, style="dim" if s == 0 else ("bold yellow" if s >= MOSTLY_KEPT else "yellow"))
     return out
 
 
 def marked(pieces: list[tuple[str, float]]) -> str:
-    """For a pipe or file, where colour is lost: ⟦…⟧ around each run of tokens some head kept."""
+    """For a pipe or file, where colour is lost: ⟦…⟧ around each run of tokens half the heads or more kept."""
     opened, parts = False, []
     for piece, s in pieces:
-        if (s > 0) != opened:
+        if (s >= MOSTLY_KEPT) != opened:
             parts.append(KEPT_MARKS[opened])
             opened = not opened
         parts.append(piece)

@@ -856,7 +856,7 @@ def test_inspect_text_piped_marks_the_kept_spans(doc, model, tmp_path):
     result = invoke("inspect", out, "--text")
     assert_ok(result)
     legend, _, text = result.stdout.partition("legend: ")[2].partition("\n")
-    assert "⟦kept by at least one KV head⟧" in legend
+    assert "⟦kept by half the KV heads or more⟧" in legend
     assert text.count("⟦") == text.count("⟧") >= 2 and text.rstrip().endswith("⟧")  # the recent window is kept
     plain = text.replace("⟦", "").replace("⟧", "")
     assert "Ishmael" in plain and "went home for supper." in plain
