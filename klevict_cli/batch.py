@@ -28,7 +28,7 @@ MANIFEST = "manifest.jsonl"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf")  # what a folder given as input contributes
 EXIT_SOME_FAILED = 8
 _GLOB_MAGIC = re.compile(r"[*?[]")
-_UNSAFE = re.compile(r"[^\w.-]+")  # letters and digits of any script stay: "Крейцерова соната" keeps them
+_UNSAFE = re.compile("\0+")
 
 
 @dataclass
@@ -114,6 +114,14 @@ def in_shard(key: str, shard: tuple[int, int] | None) -> bool:
     return shard is None or int(key[:16], 16) % shard[1] == shard[0]
 
 
+def safe_stem(stem: str) -> str:
+    """A file name's stem as an output name: letters, digits and marks of any script ("Крейцерова соната", "हिन्दी"),
+    '.', '-' and '_' stay (NFC); every run of anything else (spaces, punctuation, controls) is one '_'."""
+    kept = "".join(c if c.isalnum() or c in "._-" or unicodedata.category(c).startswith("M") else "\0"
+                   for c in unicodedata.normalize("NFC", stem))
+    return _UNSAFE.sub("_", kept).strip("._") or "document"
+
+
 def kvc_names(paths: list[str], owners: dict[str, str | None] | None = None) -> dict[str, str]:
     """Output names from the file names; names that would collide (case aside) all get a hash of their path.
 
@@ -124,18 +132,17 @@ def kvc_names(paths: list[str], owners: dict[str, str | None] | None = None) -> 
     """
     owners = owners or {}
     given = {source: name for name, source in owners.items() if source is not None}
-    stems = {p: (_UNSAFE.sub("_", unicodedata.normalize("NFC", Path(p).stem)).strip("._") or "document")
-             for p in paths}
+    stems = {p: safe_stem(Path(p).stem) for p in paths}
     counts: dict[str, int] = {}
     for stem in stems.values():
-        counts[stem.lower()] = counts.get(stem.lower(), 0) + 1
+        counts[stem.casefold()] = counts.get(stem.casefold(), 0) + 1
     names = {}
     for path, stem in stems.items():
         key = os.path.normpath(readable_name(path))  # as the manifest records it
         if key in given:
             names[path] = given[key]
             continue
-        if counts[stem.lower()] > 1 or owners.get(f"{stem}.kvc".lower(), key) != key:
+        if counts[stem.casefold()] > 1 or owners.get(f"{stem}.kvc".casefold(), key) != key:
             stem = f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         names[path] = stem + ".kvc"
     return names
@@ -347,17 +354,19 @@ def file_sha256(entry: dict) -> str | None:
 
 
 def manifest_owners(folder: Path) -> dict[str, str]:
-    """Each cache name in `folder` (lower case) -> the source (normalised path) its latest write was made from."""
-    return {entry["kvc"].lower(): os.path.normpath(str(entry.get("source")))
+    """Each cache name in `folder` (case folded) -> the source (normalised path) its latest write was made from."""
+    return {entry["kvc"].casefold(): os.path.normpath(str(entry.get("source")))
             for entry in written(manifest_text(folder / MANIFEST))}
 
 
 def folder_owners(folder: Path) -> dict[str, str | None]:
-    """Each name a `.kvc` in `folder` holds (lower case) -> its source: the manifest's, else that of a cache a
+    """Each name a `.kvc` in `folder` holds (case folded) -> its source: the manifest's, else that of a cache a
     batch wrote before a crash took its line (`batch_source`), else None: a file no batch wrote, never replaced."""
     owners = manifest_owners(folder)
-    unowned = {path.name.lower(): batch_source(path) for path in folder.glob("*.kvc")
-               if path.name.lower() not in owners}
+    # iterdir, not glob("*.kvc"): a file system blind to case holds Report.KVC where report.kvc would go
+    held = folder.iterdir() if folder.is_dir() else ()
+    unowned = {path.name.casefold(): batch_source(path) for path in held
+               if path.suffix.casefold() == ".kvc" and path.name.casefold() not in owners}
     return {**unowned, **owners}  # the manifest's names last: a source keeps the name the manifest gives it
 
 

@@ -453,8 +453,9 @@ def answer(session, engine, stream, question: str, max_new: int, start: str = ""
     not returned)."""
     work = stream.clone()
     suffix = session.frame.suffix_ids(session.lm.tokenizer, question) + encode_text(session.lm.tokenizer, start)
-    tokens, _ = session.settled_tokens(list(engine.generate(work, suffix, max_new, session.stop_ids)))
-    return session.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    tokens = list(engine.generate(work, suffix, max_new, session.stop_ids))
+    _, ended = session.settled_tokens(tokens)
+    return (ended if ended is not None else session.lm.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
 
 
 def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,

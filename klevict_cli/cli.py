@@ -27,7 +27,8 @@ from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputEr
 from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
-    load_config, merge_options, parse_budget, parse_byte_limit, resolve_device, resolve_dtype,
+    load_config, merge_options, parse_budget, parse_byte_limit, parse_size, parse_working_limit, resolve_device,
+    resolve_dtype,
 )
 from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
 
@@ -230,7 +231,11 @@ def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
         check_options(merge_options({}, in_force, DEFAULTS))
     except UsageError as err:
         raise UsageError(f"config file {config}: {config_words(str(err), in_force)}") from None
-    return check_options(merge_options(cli, from_file, DEFAULTS))
+    try:
+        return check_options(merge_options(cli, from_file, DEFAULTS))
+    except UsageError as err:  # the command line against the file (--max-kl given, method: none in the file)
+        named = [key for key in in_force if f"--{key.replace('_', '-')}" in str(err)]
+        raise UsageError(f"{err} ({', '.join(named)}: from config file {config})" if named else str(err)) from None
 
 
 def config_words(message: str, from_file: dict) -> str:
@@ -245,6 +250,9 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
     """Refuse a malformed option with a UsageError that names it; returns `opts`."""
     if opts.get("budget") is not None:
         parse_budget(str(opts["budget"]))
+    parse_working_limit(opts.get("working_limit"))
+    if opts.get("max_memory"):
+        parse_size("max_memory", opts["max_memory"])
     if opts.get("chunk_size") is not None:
         check_positive_int("chunk_size", opts["chunk_size"])
     check_positive_int("probe_window", opts["probe_window"])

@@ -590,7 +590,7 @@ def check_tokenizer(path: Path | str, metadata: dict[str, str], tokenizer_sha256
     made = metadata.get("tokenizer_sha256")
     if made is not None and made != tokenizer_sha256:
         raise _error(path, f"this cache was made with another tokenizer ({_show(made)[:12]}, this model's is"
-                           f" {_show(tokenizer_sha256)[:12]}) — leave out --model to read it with its own")
+                           f" {_show(tokenizer_sha256)[:12]}) — give --model the model that made it")
 
 
 # Metadata that must hold a count (or "all"), and metadata that must hold a JSON object.

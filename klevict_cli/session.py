@@ -337,41 +337,44 @@ class Session:
         start = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
+        ended = None
         for token in engine.generate(work, suffix, max_new, self.stop_ids, gen.temperature, gen.top_p,
                                      repetition_penalty=gen.repetition_penalty, no_repeat=gen.no_repeat):
             if first_token_at is None:
                 first_token_at = time.perf_counter() - start
             tokens.append(token)
-            shown, stopped = self.settled_tokens(tokens)
+            shown, ended = self.settled_tokens(tokens)
             if on_token is not None:
                 on_token(shown)
-            if stopped:
-                tokens = shown
+            if ended is not None:
                 break
         total = time.perf_counter() - start
-        text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        if ended is None:
+            ended = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+        else:  # the tokens that hold the answer: a token the stop text begins inside counts
+            tokens = tokens[:len(shown) + (self.lm.tokenizer.decode(shown, skip_special_tokens=True) != ended)]
         return {
-            "text": text,
+            "text": ended.strip(),
             "new_tokens": len(tokens),
             "first_token_seconds": first_token_at if first_token_at is not None else total,
             "seconds": total,
             "truncated_to_fit": max_new < gen.max_new_tokens,
         }
 
-    def settled_tokens(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """The answer's tokens as far as they are final (`PromptFrame.settled`): the longest start of `tokens` whose
-        text ends within the final part, and True where the answer ends there (a token that runs into the stop text
-        goes with it). Whole tokens, so that what streams out, the answer's text and its token count agree."""
+    def settled_tokens(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """The answer so far as far as it is final (`PromptFrame.settled`): the longest start of `tokens` whose text
+        lies within the final part (whole tokens, what may stream out), and, where the answer ends at a stop text,
+        its text up to there (which can end inside a token: "Bob" + ".\n" + "Question:" is "Bob."); else None."""
         if not self.frame.stops:  # a chat frame: its end-of-turn token ends the answer
-            return tokens, False
+            return tokens, None
         decode = functools.partial(self.lm.tokenizer.decode, skip_special_tokens=True)
-        text = decode(tokens)
+        whole = text = decode(tokens)
         end, stopped = self.frame.settled(text)
         kept = len(tokens)
         while len(text) > end:
             kept -= 1
             text = decode(tokens[:kept])
-        return tokens[:kept], stopped
+        return tokens[:kept], whole[:end] if stopped else None
 
     # ---- files ---------------------------------------------------------------------------------------------
     def kv_heads(self) -> list[int]:

@@ -110,3 +110,17 @@ def test_an_answer_streams_and_reports_the_same_text_up_to_the_next_question(pla
     assert "".join(printed) == answer["text"] == expected
     assert not plain or all("\n" not in piece for piece in printed)  # not even the marker's first character
     assert tokenizer.decode(script[:answer["new_tokens"]]).strip() == expected
+
+
+def test_an_answer_ends_inside_a_token_that_runs_into_the_next_question():
+    """A token that holds the answer's end and the stop text's start ('.\\n'): the answer keeps its period, and
+    what streams out never shows the newline."""
+    from types import SimpleNamespace
+
+    from klevict_cli.session import Session
+
+    pieces = ["Bob", ".\n", "Question", ":"]
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(pieces[i] for i in ids))
+    session = SimpleNamespace(frame=frame_for(plain_tokenizer()), lm=SimpleNamespace(tokenizer=tokenizer))
+    assert Session.settled_tokens(session, [0, 1]) == ([0], None)  # ".\n" could begin the next turn: held back
+    assert Session.settled_tokens(session, [0, 1, 2, 3]) == ([0], "Bob.")
