@@ -372,6 +372,9 @@ def generate(opts: dict, session, stream, question: str, mode: str, **policy) ->
         put(text.finish(answer["text"]) + "\n")
     if answer["new_tokens"] == 0 and opts["max_new_tokens"] > 0:  # an empty result should not pass for success
         note(opts, "note: the model ended its answer at once: no text")
+    if answer.get("truncated_to_fit") and answer["new_tokens"] >= answer["token_room"]:
+        note(opts, f"note: the answer was cut at {answer['token_room']} tokens: the model's positions hold no more"
+                   " after the cache and the question")
     return answer
 
 
@@ -458,6 +461,9 @@ def summarize(
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] else DEFAULT_SUMMARY_PROMPT
     session, result = read_document(opts, file, reconstruct_default=False)
+    if not opts["json"] and (result.stream.drift is not None or opts.get("max_kl") is not None):
+        # asked for (--estimate, --max-kl) and paid for: said, as compress's line says it (--json carries it)
+        note(opts, f"note: kept {result.kept_budget or 'all'} entries per KV head{drift_text(result.stream.drift)}")
     answer = generate(opts, session, result.stream, prompt_text, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:

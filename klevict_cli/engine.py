@@ -32,6 +32,9 @@ from klevict_kernels.refit import refit_values
 
 POSITION_MODES = ("auto", "original", "compact")
 WORKING_FACTOR = 4  # default working limit: this many times the budget (docs/method.md, "Lazy eviction")
+# Compact positions: what a read keeps free past each chunk, for the probes of the eviction after it (kl's look-ahead
+# drafts, 64 tokens; the drift's continuation, at most DRIFT_DRAFTS)
+PROBE_ROOM = 64
 
 
 def sink_count(budget: int | None) -> int:
@@ -101,7 +104,7 @@ def plan_positions(
                 else "compact positions need eviction: pass a --budget (and a method other than none)"
                 " or use --position-mode original"
             )
-        room = max_positions - max(chunk_size, reserve)
+        room = max_positions - max(chunk_size + PROBE_ROOM, reserve)
         if room < 1:
             raise ResourceError(
                 f"--chunk-size {chunk_size} / reserve {reserve} leave no room in the model's {max_positions} positions"
@@ -114,7 +117,7 @@ def plan_positions(
             budget = room
     if budget is not None and budget >= n_tokens:
         budget = None if mode == "original" else budget
-    head_cap = max_positions - max(chunk_size, reserve) if mode == "compact" else None
+    head_cap = max_positions - max(chunk_size + PROBE_ROOM, reserve) if mode == "compact" else None
     return Plan(mode, budget, notes, head_cap)
 
 
@@ -409,11 +412,14 @@ class Engine:
     def _must_evict(self, stream: Stream, incoming: int, upcoming: int) -> bool:
         """Evict after a chunk of `incoming` tokens if the scored layers would then hold more than the budget (the
         read's last chunk, `upcoming` == 0) or could not take the next chunk of `upcoming` tokens within the
-        working limit. Sliding-window layers are trimmed after every chunk regardless, without scoring."""
+        working limit — or, in compact positions, within the model's positions with PROBE_ROOM to spare.
+        Sliding-window layers are trimmed after every chunk regardless, without scoring."""
         if (self.max_kl is not None or self.chooses_storage) and not upcoming:
             return True  # the last eviction chooses by the tolerance, or the storage, whatever is held
         if self.budget is None:
             return False
+        if self.mode == "compact" and stream.next_rope + incoming + upcoming + PROBE_ROOM > self.adapter.max_positions:
+            return True  # positions run with the head that keeps most, not the mean the working limit counts
         held = self.held_per_head(stream) + incoming
         return held > self.budget if not upcoming else held + upcoming > self.working
 

@@ -133,6 +133,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
                 "model_dtype", "source_name", "created", "klevict_version", "format_version"):
         if key == "kept_budget" and meta.get(key) == meta.get("budget_tokens"):
             continue  # a budget kept as asked: said once
+        if key == "budget" and meta.get(key) == "all" and ("max_bytes" in meta or "max_kl" in meta):
+            continue  # no budget asked: the limit below chose the size ("all" would read as nothing evicted)
         if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
             table.add_row(key, Text(visible(meta[key]) + in_megabytes(meta[key] if key == "max_bytes" else "")))
     table.add_row("cache size", f"{info['kv_bytes_kept'] / 1e6:.2f} MB of {info['kv_bytes_full'] / 1e6:.2f} MB "

@@ -359,6 +359,7 @@ class Session:
             "first_token_seconds": first_token_at if first_token_at is not None else total,
             "seconds": total,
             "truncated_to_fit": max_new < gen.max_new_tokens,
+            "token_room": max_new,  # the answer's limit: --max-new-tokens, or the model's positions left
         }
 
     def settled_tokens(self, tokens: list[int]) -> tuple[list[int], str | None]:

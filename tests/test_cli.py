@@ -1323,3 +1323,29 @@ def test_inspect_shows_a_byte_limit_in_the_tables_units():
     from klevict_cli.report import in_megabytes
 
     assert in_megabytes("1.00 MiB") == " (1.05 MB)" and in_megabytes("5%") == "" and in_megabytes("junk") == ""
+
+
+def test_an_answer_cut_by_the_positions_is_said(compressed, model, monkeypatch):
+    from klevict_cli.session import Session
+
+    cut = {"text": "a long answer", "new_tokens": 3, "first_token_seconds": 0.0, "seconds": 0.0,
+           "truncated_to_fit": True, "token_room": 3}
+    monkeypatch.setattr(Session, "answer", lambda self, *args, **kwargs: cut)
+    result = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *GEN)
+    assert_ok(result)
+    assert "the answer was cut at 3 tokens" in result.stderr
+
+
+def test_summarize_says_the_drift_it_measured(doc, model):
+    result = invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN, "--estimate")
+    assert_ok(result)
+    assert "note: kept 64 entries per KV head; estimated drift" in result.stderr
+    assert "estimated drift" not in invoke("summarize", doc, "--model", model, "--budget", "64", *FAST, *GEN).stderr
+
+
+def test_inspect_shows_no_budget_of_all_where_a_limit_chose_the_size(doc, model, tmp_path):
+    out = tmp_path / "bytes.kvc"
+    assert_ok(invoke("compress", doc, "-o", out, "--model", model, "--max-bytes", "30%", *FAST, "--no-reconstruct"))
+    rows = [line.split("│")[1:3] for line in invoke("inspect", out).stdout.splitlines() if line.count("│") >= 3]
+    names = {name.strip(): value.strip() for name, value in rows}
+    assert "max_bytes" in names and "budget_tokens" in names and "budget" not in names

@@ -7,7 +7,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from klevict_cli.adapter_check import adapter_for
-from klevict_cli.engine import Engine, plan_positions
+from klevict_cli.engine import PROBE_ROOM, Engine, plan_positions
 from klevict_cli.probes import Drafts
 from klevict_cli.sampling import sample_rows
 from klevict_cli.errors import ResourceError
@@ -146,9 +146,37 @@ def test_compact_mode_keeps_positions_bounded_on_a_document_longer_than_the_cont
     assert max(int(layer.rope_positions.max()) for layer in stream.cache.layers) < 48
 
 
+def test_compact_positions_evict_before_a_chunk_would_pass_the_models_last_position():
+    """The working limit counts the mean entries per head; positions run with the head that keeps most (after
+    compaction the next token sits past the longest head). A read whose longest head leaves no room for the next
+    chunk and its probes evicts now, whatever the mean; in original positions the mean alone decides."""
+    model = tiny_llama(seed=6, max_position_embeddings=256)
+    ids = torch.randint(0, 300, (30,)).tolist()
+    for mode in ("compact", "original"):
+        engine = Engine(model, adapter_for(model), make_policy("streaming"), budget=40, chunk_size=16, mode=mode)
+        stream = engine.new_stream()
+        engine.feed(stream, ids)  # 30 held: under the budget and the working limit
+        stream.next_rope = 256 - 16 - 16 - PROBE_ROOM  # as if one head had kept far more than the others
+        assert not engine._must_evict(stream, 16, 16)
+        stream.next_rope += 1
+        assert engine._must_evict(stream, 16, 16) == (mode == "compact")
+
+
+def test_a_compact_read_measures_its_drift():
+    """The final eviction of a read in compact positions has room for the drift's continuation (PROBE_ROOM)."""
+    plan = plan_positions(500, 60, chunk_size=16, reserve=32, max_positions=256)
+    model = tiny_llama(seed=6, max_position_embeddings=256)
+    ids = torch.randint(0, 300, (500,)).tolist()
+    engine = Engine(model, adapter_for(model), make_policy("kl"), budget=plan.budget, chunk_size=16, probe_window=8,
+                    mode=plan.mode, head_cap=plan.head_cap, measure_drift=True)
+    stream = engine.new_stream()
+    engine.feed(stream, ids)
+    assert plan.mode == "compact" and stream.drift is not None and stream.next_rope <= plan.head_cap
+
+
 def test_plan_positions_caps_the_budget_and_refuses_what_cannot_fit():
     plan = plan_positions(10_000, 5000, chunk_size=512, reserve=512, max_positions=2048)
-    assert plan.mode == "compact" and plan.budget == 1536 and plan.notes
+    assert plan.mode == "compact" and plan.budget == 2048 - 512 - PROBE_ROOM and plan.notes
     assert plan_positions(1000, 100, 512, 512, 2048).mode == "original"
     with pytest.raises(ResourceError):
         plan_positions(10_000, None, 512, 512, 2048)

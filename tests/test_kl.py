@@ -404,10 +404,10 @@ def test_calibration_recovers_each_heads_factor_and_ignores_the_probes():
 
 
 def test_global_allocation_in_compact_mode_never_lets_one_head_outgrow_the_positions():
-    from klevict_cli.engine import plan_positions
+    from klevict_cli.engine import PROBE_ROOM, plan_positions
 
     plan = plan_positions(500, 40, chunk_size=32, reserve=32, max_positions=128)
-    assert plan.mode == "compact" and plan.head_cap == 96  # positions left beside a chunk / question
+    assert plan.mode == "compact" and plan.head_cap == 128 - 32 - PROBE_ROOM  # beside a chunk and its probes
     model = tiny_llama(seed=5, max_position_embeddings=128)
     torch.manual_seed(0)
     ids = torch.randint(0, 300, (500,)).tolist()
