@@ -110,8 +110,9 @@ ProbeDtypeOpt = Annotated[str | None, typer.Option("--probe-dtype", help="Precis
                                                    "model), float32 or bfloat16.")]
 JsonOpt = Annotated[bool | None, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool | None, typer.Option("--quiet", "-q", help="No progress or notes on stderr.")]
-MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would need more "
-                                                "memory than this (e.g. 4G).")]
+MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up front if reading would, by klevict's "
+                                                "estimate, need more memory than this (e.g. 4G; long reads can pass "
+                                                "it by a fifth).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
 BENCH_CONFIG = ("model", "chunk_size", "device", "dtype", "seed", "probe_window", "probe_dtype", "quiet", "json")
 BenchConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file of the model and reading options ("

@@ -43,6 +43,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# What `estimate_peak_bytes` adds for what its terms do not count: the Python/torch runtime, what the allocator keeps
+# between chunks, the entries set aside for the drift, and the probes' logits over the vocabulary (the drift's
+# reference in float64, the look-ahead drafts'). Fitted to the peak resident size of a 2,270-token `compress` by
+# SmolLM2-135M (1.99 GB) and Gemma-3-270M (3.77 GB) on CPU (docs/research-log.md, "a user's pass, round five").
+RUNTIME_BYTES = 680 * 2**20
+RUNTIME_LOGIT_ROWS = 1200
+
+
 @dataclass
 class ReadSettings:
     budget: Budget | None  # None: keep everything
@@ -304,7 +312,8 @@ class Session:
         cfg = model.config
         scores = max(s.query_heads for s in shapes) * chunk * (kept + chunk) * 4 * 3  # mask, scores, weights
         hidden = chunk * max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0) * 4 * 8
-        return int(weights + cache + scores + hidden + 300 * 2**20)  # + the Python/torch runtime
+        logits = RUNTIME_LOGIT_ROWS * model.get_output_embeddings().weight.shape[0] * 4
+        return int(weights + cache + scores + hidden + logits + RUNTIME_BYTES)
 
     def model_dtype(self) -> str:
         return str(next(self.lm.model.parameters()).dtype).removeprefix("torch.")
