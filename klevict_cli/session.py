@@ -46,7 +46,7 @@ def synchronize(device: torch.device) -> None:
 # What `estimate_peak_bytes` adds for what its terms do not count: the Python/torch runtime, what the allocator keeps
 # between chunks, the entries set aside for the drift, and the probes' logits over the vocabulary (the drift's
 # reference in float64, the look-ahead drafts'). Fitted to the peak resident size of a 2,270-token `compress` by
-# SmolLM2-135M (1.99 GB) and Gemma-3-270M (3.77 GB) on CPU (docs/research-log.md, "a user's pass, round five").
+# SmolLM2-135M (1.92 GiB) and Gemma-3-270M (3.51 GiB) on CPU (docs/research-log.md, "a user's pass, round five").
 RUNTIME_BYTES = 680 * 2**20
 RUNTIME_LOGIT_ROWS = 1200
 
