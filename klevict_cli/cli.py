@@ -222,11 +222,11 @@ def _patch_argument_help() -> None:
 _patch_argument_help()
 
 
-def resolve_options(config: Path | None, **cli: Any) -> dict[str, Any]:
+def resolve_options(config: Path | None, from_file: dict | None = None, **cli: Any) -> dict[str, Any]:
     """Every option, from the command line, then the config file, then the defaults; checked. A bad value from the
     file is refused naming the file and its key (the file's values that the command line leaves in force are
-    checked alone first), not a flag the user never typed."""
-    from_file = load_config(config)
+    checked alone first), not a flag the user never typed. `from_file`: the config already read (load_config)."""
+    from_file = load_config(config) if from_file is None else from_file
     in_force = {key: value for key, value in from_file.items() if cli.get(key) is None}
     try:
         check_options(merge_options({}, in_force, DEFAULTS))
@@ -824,9 +824,10 @@ def bench(
     from klevict_cli.documents import load_document
     from klevict_cli.policies import POLICIES
 
-    opts = resolve_options(config, model=model, chunk_size=chunk_size, device=device, dtype=dtype, seed=seed,
-                           probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
-    ignored = sorted(set(load_config(config)) - set(BENCH_CONFIG))  # e.g. a compress config's max_kl: not a list
+    from_file = load_config(config)
+    opts = resolve_options(config, from_file, model=model, chunk_size=chunk_size, device=device, dtype=dtype,
+                           seed=seed, probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
+    ignored = sorted(set(from_file) - set(BENCH_CONFIG))  # e.g. a compress config's max_kl: not a list
     if ignored:
         note(opts, f"note: bench ignores {', '.join(ignored)} in {config}: its own options (--budgets, --max-kl,"
                    " ...) are flags; see klevict bench --help")
