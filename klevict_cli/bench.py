@@ -674,6 +674,11 @@ def render(result: dict, console: Console) -> None:
                       "cost: read time vs the full cache (same chunks) · cache kept",
                       f"full cache: {full['seconds']['mean']:.3f} s per window, "
                       f"{full['cache_bytes']['mean'] / 1e6:.2f} MB")
+        estimated = [label for label in labels if any(_estimate_pairs(per[label]) for per in fid["results"].values())]
+        if estimated:
+            _method_table(console, fid, estimated, lambda row, _: _estimate_cell(row),
+                          "estimated drift (what --estimate and --max-kl report) against the measured KL: mean "
+                          "estimate · median estimated / measured over windows (range) · windows within 1.5×")
         tolerances = [label for label in labels if label.startswith(TOLERANCE_PREFIX)]
         if tolerances:
             _method_table(console, fid, tolerances, _tolerance_cell,
@@ -698,6 +703,21 @@ def _tolerance_cell(row: dict, label: str) -> str:
     tolerance = float(label.removeprefix(TOLERANCE_PREFIX))
     ratios = sorted(kl / tolerance for kl in row["per_window"]["kl"])
     return (f"{100 * row['cache_fraction']['mean']:.1f} % · {statistics.median(ratios):.2f}× "
+            f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within_factor(ratios)}/{len(ratios)}")
+
+
+def _estimate_pairs(row: dict) -> list[tuple[float, float]]:
+    """(estimated, measured) KL of each window whose read estimated its drift."""
+    per = row["per_window"]
+    return [(e, m) for e, m in zip(per.get("estimated_kl") or [], per["kl"]) if e is not None and m is not None]
+
+
+def _estimate_cell(row: dict) -> str:
+    pairs = _estimate_pairs(row)
+    if not pairs:
+        return "–"
+    ratios = sorted(e / m if m > 0 else math.inf for e, m in pairs)
+    return (f"{statistics.fmean(e for e, _ in pairs):.4f} · {statistics.median(ratios):.2f}× "
             f"({ratios[0]:.2f}–{ratios[-1]:.2f}) · {within_factor(ratios)}/{len(ratios)}")
 
 

@@ -20,6 +20,7 @@ from klevict_cli.bench import (
     make_facts,
     parse_budgets,
     parse_methods,
+    _estimate_cell,
     render,
     run_bench,
     summary,
@@ -158,6 +159,15 @@ def test_bench_measures_tolerances_beside_budgets(session, document):
     render(result, console)
     text = console.export_text()
     assert "--max-kl: cache kept" in text and "max-kl 10" in text
+    assert "estimated drift" in text and _estimate_cell(rows["max-kl 10"]) in text.replace("\n", " ")
+
+
+def test_estimate_cell_compares_each_windows_estimate_with_its_measured_kl():
+    """The estimate's table: mean estimate, the median and range of estimated / measured, and how many windows are
+    within 1.5x; windows whose read estimated nothing are left out."""
+    row = {"per_window": {"kl": [0.01, 0.02, 0.04, 0.5], "estimated_kl": [0.012, 0.05, 0.02, None]}}
+    assert _estimate_cell(row) == "0.0273 · 1.20× (0.50–2.50) · 1/3"
+    assert _estimate_cell({"per_window": {"kl": [0.01], "estimated_kl": [None]}}) == "–"
 
 
 def test_bench_measures_each_stored_dtype_of_the_same_read(session, document):
@@ -199,6 +209,7 @@ def test_render_prints_every_method_and_budget(result):
     text = console.export_text()
     for word in ("snapkv", "h2o", "100% (200)", "20% (40)", "KL", "cost", "needle"):
         assert word in text
+    assert "estimated drift" not in text  # no read estimated its drift
 
 
 def test_bench_refuses_windows_that_do_not_fit(session, document):
