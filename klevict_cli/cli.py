@@ -24,7 +24,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from klevict_cli import __version__
 from klevict_cli.display import Count, TextStream, drift_words, err, json_text, shown, visible
 from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, UsageError
-from klevict_cli.files import STDOUT_NAME, check_destination, is_stdout, silence_stdout, write_stdout
+from klevict_cli.files import (
+    CLOSED_PIPE,
+    STDOUT_NAME,
+    GuardedStdout,
+    check_destination,
+    is_stdout,
+    silence_stdout,
+    write_stdout,
+)
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
     load_config, merge_options, parse_budget, parse_byte_limit, parse_size, parse_working_limit, resolve_device,
@@ -152,7 +160,7 @@ def handle_errors(fn):
             raise typer.Exit(exc.exit_code) from None
         except BrokenPipeError:  # a result (an answer, a table) to a reader that stopped early
             silence_stdout()
-            say(f"error: {STDOUT_NAME}: the reader closed it before the whole output was written")
+            say(f"error: {CLOSED_PIPE}")
             raise typer.Exit(OutputError.exit_code) from None
         except KeyboardInterrupt:
             say("interrupted")
@@ -941,4 +949,9 @@ def main_options(
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    app()
+    sys.stdout = GuardedStdout(sys.stdout)
+    try:
+        app()
+    except OutputError as exc:  # --help or --version to an output that takes no more (commands say it themselves)
+        say(f"error: {exc}")
+        sys.exit(exc.exit_code)

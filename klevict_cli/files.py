@@ -51,6 +51,39 @@ def write_stdout(blob: bytes) -> int:
     return len(blob)
 
 
+CLOSED_PIPE = f"{STDOUT_NAME}: the reader closed it before the whole output was written"
+
+
+class GuardedStdout:
+    """Standard output for results and help: a write that fails is an `OutputError` — one line and exit 7, the
+    documented code — not a traceback (a full disk or quota behind `> answers.txt`) nor rich's silent exit 1 (a
+    reader that stopped early, `| head`). Everything else is the wrapped stream's; `write_stdout` writes the binary
+    `.kvc` through its buffer and says how much got through."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if isinstance(text, str) and not text:  # click probes a stream with an empty write: nothing to fail on yet
+            return 0
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            silence_stdout()
+            if exc.errno == errno.EPIPE:
+                raise OutputError(CLOSED_PIPE) from None
+            raise OutputError(f"{STDOUT_NAME}: cannot write the output ({exc.strerror or exc})") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def silence_stdout() -> None:
     """After a write to standard output failed: point it at /dev/null, so that the flush at exit does not print
     Python's "Exception ignored … BrokenPipeError" over the one-line error."""

@@ -6,6 +6,8 @@ none loads a model.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import subprocess
@@ -245,6 +247,50 @@ def test_a_result_to_a_closed_pipe_is_exit_7_not_a_traceback(capsys):
         answer()
     assert info.value.exit_code == 7
     assert capsys.readouterr().err == "error: <stdout>: the reader closed it before the whole output was written\n"
+
+
+class FailingStream(io.StringIO):
+    """A text stream whose writes fail as a full disk's (ENOSPC) or a closed pipe's (EPIPE) do."""
+
+    def __init__(self, code: int):
+        super().__init__()
+        self.code = code
+
+    def write(self, text):
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize(("code", "message"), [
+    (errno.ENOSPC, "<stdout>: cannot write the output (No space left on device)"),
+    (errno.EPIPE, "<stdout>: the reader closed it before the whole output was written"),
+])
+def test_a_result_that_stdout_cannot_take_is_an_output_error(monkeypatch, code, message):
+    """Any failed write to standard output — a full disk behind a redirect, a reader gone — is the documented exit 7
+    with one line, through rich's console too (rich ends a broken pipe with a silent exit 1 of its own)."""
+    from rich.console import Console
+
+    from klevict_cli.errors import OutputError
+    from klevict_cli.files import GuardedStdout
+
+    monkeypatch.setattr("klevict_cli.files.silence_stdout", lambda: None)  # the test's stdout is not the stream
+    guarded = GuardedStdout(FailingStream(code))
+    assert guarded.write("") == 0  # click probes a stream with an empty write
+    with pytest.raises(OutputError) as info:
+        guarded.write("The sea.\n")
+    assert str(info.value) == message
+    with pytest.raises(OutputError) as info:
+        Console(file=guarded).print("a table")
+    assert str(info.value) == message
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_help_and_version_to_a_full_disk_exit_7():
+    for args in (["--version"], ["--help"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "klevict_cli", *args], stdout=full, stderr=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120, text=True)
+        assert done.returncode == 7, done.stderr
+        assert done.stderr == "error: <stdout>: cannot write the output (No space left on device)\n"
 
 
 def test_inspect_text_and_html_show_characters_split_across_tokens(tiny_model_dir, tmp_path):
