@@ -29,6 +29,8 @@ from klevict_cli.files import (
     STDOUT_NAME,
     GuardedStdout,
     check_destination,
+    is_html_file,
+    is_json_file,
     is_stdout,
     silence_stdout,
     write_stdout,
@@ -536,8 +538,10 @@ def compress(
     if to_stdout:
         check_stdout_for_binary(opts)
     else:
+        from klevict_cli.kvc import is_kvc_file
+
         check_destination(output, "-o", inputs=[file], folder_hint=f": give a .kvc file name, or {output}/ to write"
-                                                                    " one .kvc per document in it")
+                          " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file))
     session, result = read_document(opts, file, reconstruct_default=True)
     from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
 
@@ -772,7 +776,7 @@ def inspect(
     from klevict_cli.report import inspect_file
 
     if html_path is not None:
-        check_destination(html_path, "--html", inputs=[cache_file])
+        check_destination(html_path, "--html", inputs=[cache_file], replaces=("an HTML page", is_html_file))
     decode = (text and not json_out) or html_path is not None
     model = (model or model_of(cache_file)) if decode else None
     html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
@@ -856,7 +860,7 @@ def bench(
     if settings.cache_dtypes and settings.max_bytes:
         raise UsageError("--max-bytes chooses the dtype: measure it in a run without --cache-dtype")
     if out_path is not None:
-        check_destination(out_path, "--out", inputs=[file])
+        check_destination(out_path, "--out", inputs=[file], replaces=("a bench result", is_json_file))
     saved = load_saved_bench(out_path) if resume else None
     if plot is not None:
         from klevict_cli.plots import check_plot_target

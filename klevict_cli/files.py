@@ -14,7 +14,7 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from klevict_cli.errors import OutputError, UsageError
@@ -98,11 +98,14 @@ def silence_stdout() -> None:
         os.close(null)
 
 
-def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), folder_hint: str = "") -> None:
+def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), folder_hint: str = "",
+                      replaces: tuple[str, Callable[[Path], bool]] | None = None) -> None:
     """Refuse, before any long work, a target that `write_atomically` must not replace or could not create.
 
     One of the command's `inputs` (a document, a cache) is never replaced by its output, whatever the path names it.
-    `folder_hint` ends the message for a directory (what the command would do with one instead).
+    `folder_hint` ends the message for a directory (what the command would do with one instead). `replaces`: (what
+    the output is, whether an existing file is one) — an existing file that is not is refused, not replaced: `-o
+    notes.md` meant for `notes.kvc` would otherwise destroy the notes.
 
     The rules, one per kind of path: a symbolic link is followed, and the file it points to is what is written (the
     link stays); a directory is a bad option (`UsageError`); a device, FIFO or socket cannot be written as a file,
@@ -128,6 +131,9 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
                           " name, or - for standard output")
+    if mode is not None and replaces is not None and os.stat(path).st_size and not replaces[1](path):  # empty: free
+        raise UsageError(f"{shown} exists and is not {replaces[0]}; klevict replaces only its own outputs: remove it"
+                         " first or choose another name")
     folder = path.parent
     if not folder.is_dir():
         raise OutputError(f"{shown}: the folder {folder} does not exist (klevict creates no folders but a batch's"
@@ -139,6 +145,26 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     os.close(fd)
     with contextlib.suppress(OSError):
         probe.unlink()
+
+
+def _starts_with(path: Path, *prefixes: bytes) -> bool:
+    """Whether the file's first bytes, after blanks and any case, begin with one of `prefixes` (lower case)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256).lstrip().lower()
+    except OSError:
+        return False
+    return head.startswith(prefixes)
+
+
+def is_html_file(path: Path) -> bool:
+    """A page `--html` may replace: named .html / .htm, or beginning as one."""
+    return path.suffix.lower() in (".html", ".htm") or _starts_with(path, b"<!doctype html", b"<html")
+
+
+def is_json_file(path: Path) -> bool:
+    """A result `bench --out` may replace: named .json, or beginning as a JSON object."""
+    return path.suffix.lower() == ".json" or _starts_with(path, b"{")
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -249,6 +249,15 @@ def read_metadata(path: Path) -> dict[str, str]:
     return {**metadata, "file_size": str(size)}
 
 
+def is_kvc_file(path: Path) -> bool:
+    """Whether `path` holds a klevict cache (its header says so; the rest unchecked): what `-o` may replace."""
+    try:
+        read_metadata(path)
+    except CacheFileError:
+        return False
+    return True
+
+
 def load_kvc(
     path: Path, specs: list[LayerSpec] | None = None, expect: dict[str, str] | None = None,
     vocab_size: int | None = None, using: str | None = None,

@@ -406,6 +406,30 @@ def test_compress_refuses_to_overwrite_its_input(doc, model, tmp_path, monkeypat
     assert doc.read_bytes() == original
 
 
+def test_outputs_replace_only_files_of_their_own_kind(doc, model, tmp_path):
+    """`-o notes.md` for `notes.kvc`, `--html other.kvc` for `other.html`: an existing file of another kind is refused
+    and kept; a cache (whatever its name), a page, an empty file are replaced."""
+    notes, cache = tmp_path / "notes.md", tmp_path / "doc.cache"
+    notes.write_text("precious notes")
+    assert_error(invoke("compress", doc, "-o", notes, "--model", model, *FAST), 2,
+                 "exists and is not a .kvc cache", "remove it first")
+    assert notes.read_text() == "precious notes"
+    assert_ok(invoke("compress", doc, "-o", cache, "--model", model, *FAST))
+    assert_ok(invoke("compress", doc, "-o", cache, "--model", model, *FAST))  # its own output, renamed: replaced
+    original = cache.read_bytes()
+    assert_error(invoke("inspect", tmp_path / "doc.cache", "--html", notes), 2, "is not an HTML page")
+    other = tmp_path / "other.kvc"
+    other.write_bytes(original)
+    assert_error(invoke("inspect", cache, "--html", other), 2, "is not an HTML page")
+    assert other.read_bytes() == original
+    page, empty = tmp_path / "page.html", tmp_path / "empty.out"
+    page.write_text("<p>old</p>")
+    empty.touch()
+    for target in (page, empty):
+        assert_ok(invoke("inspect", cache, "--html", target))
+        assert target.read_text().startswith("<!DOCTYPE html>")
+
+
 def test_compress_refuses_a_directory_as_output(doc, model, tmp_path):
     assert_error(invoke("compress", doc, "-o", tmp_path, "--model", model, *FAST), 2, str(tmp_path),
                  f"{tmp_path}/ to write one .kvc per document")  # what a batch of one would write to
