@@ -205,7 +205,18 @@ def encode_kvc(kvc: KvcFile, name: Path | str) -> bytes:
     num_layers = _check_layout(name, metadata, layout)
     _check_contents(name, _layers_of(tensors, num_layers, metadata), tensors["tokens"])
     metadata["payload_sha256"] = _payload_sha256(metadata, tensors)
-    return safetensors.torch.save(tensors, metadata=metadata)
+    return _sorted_header(safetensors.torch.save(tensors, metadata=metadata))
+
+
+def _sorted_header(blob: bytes) -> bytes:
+    """`blob` with its header's keys in sorted order (safetensors writes the metadata from a hash map, in a new order
+    each run), so that the same cache is the same bytes: `cmp` and content hashes can tell a re-run reproduced it.
+    The tensors' offsets count from the data's start and do not move; the header stays padded to 8 bytes."""
+    length = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8 : 8 + length]), sort_keys=True, separators=(",", ":"),
+                        ensure_ascii=False).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + blob[8 + length :]
 
 
 def _tensors_of(kvc: KvcFile) -> dict[str, torch.Tensor]:

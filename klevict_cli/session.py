@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,14 @@ def synchronize(device: torch.device) -> None:
 # SmolLM2-135M (1.92 GiB) and Gemma-3-270M (3.51 GiB) on CPU (docs/research-log.md, "a user's pass, round five").
 RUNTIME_BYTES = 680 * 2**20
 RUNTIME_LOGIT_ROWS = 1200
+
+
+def creation_time() -> str:
+    """When a cache is made: now, or the time SOURCE_DATE_EPOCH gives (the reproducible-builds convention), so that
+    the same read gives the same bytes."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch.isdigit() else datetime.now(timezone.utc)
+    return when.isoformat(timespec="seconds")
 
 
 @dataclass
@@ -441,7 +450,7 @@ class Session:
             "document_tokens": str(result.document_tokens),
             "source_name": result.document.name,
             "source_sha256": result.document.sha256,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": creation_time(),
         }
         tokens = torch.tensor(stream.tokens, dtype=torch.int32)
         return KvcFile(layers=layers, tokens=tokens, metadata=meta)

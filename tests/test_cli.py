@@ -246,6 +246,17 @@ def test_compress_writes_the_file_and_one_line(doc, model, tmp_path):
     assert no_temp_files(tmp_path) == []
 
 
+def test_the_same_read_is_the_same_bytes(doc, model, tmp_path, monkeypatch):
+    """Deterministic given a seed: with SOURCE_DATE_EPOCH fixing `created`, compressing twice gives identical files
+    (safetensors writes its metadata in a new order each run; klevict sorts the header)."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    first, second = tmp_path / "a.kvc", tmp_path / "b.kvc"
+    for out in (first, second):
+        assert_ok(invoke("compress", doc, "-o", out, "--model", model, *FAST))
+    assert first.read_bytes() == second.read_bytes()
+    assert json.loads(invoke("inspect", first, "--json").stdout)["metadata"]["created"] == "2023-11-14T22:13:20+00:00"
+
+
 def test_compress_json_reports_the_real_file_size(compressed):
     path, summary = compressed
     assert summary["output"] == str(path)
