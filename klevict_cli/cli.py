@@ -658,6 +658,10 @@ def ask(
     cache_file = cache_files[0]
     if opts["model"] is None:
         opts["model"] = model_of(cache_file)
+    else:  # a missing or broken cache is said before a model load that may take minutes
+        from klevict_cli.kvc import read_metadata
+
+        read_metadata(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
     answer_all(opts, session, stream, meta, questions)

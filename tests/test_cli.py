@@ -824,9 +824,15 @@ def test_random_bytes_are_refused(tmp_path, model):
     assert_error(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN), 4, str(path))
 
 
-def test_missing_cache_file_is_refused(tmp_path, model):
+def test_missing_cache_file_is_refused_before_a_model_loads(tmp_path, model, monkeypatch):
+    def no_model(opts):
+        raise AssertionError("a model was loaded for a cache that does not exist")
+
+    monkeypatch.setattr("klevict_cli.cli.session_for", no_model)
     path = tmp_path / "missing.kvc"
     assert_error(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN), 4, "no such file")
+    path.write_bytes(b"\x00" * 16)
+    assert_error(invoke("ask", path, QUESTIONS[0], "--model", model, *GEN), 4, str(path))
 
 
 def test_directory_as_cache_file_is_refused(tmp_path, model):
