@@ -51,7 +51,8 @@ def expand_inputs(inputs: Iterable[str]) -> list[str]:
     paths: list[str] = []
     for arg in inputs:
         if arg == "-":
-            raise UsageError("standard input (-) cannot be one of several documents; give file names")
+            raise UsageError("standard input (-) cannot go into a batch (several documents, or -o OUTDIR/); give"
+                             " file names, or -o NAME.kvc for standard input alone")
         if os.path.isdir(arg):
             found = sorted(str(p) for p in Path(arg).rglob("*")
                            if p.suffix.lower() in DOCUMENT_SUFFIXES and p.is_file())

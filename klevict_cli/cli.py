@@ -269,6 +269,8 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
     check_positive_int("probe_window", opts["probe_window"])
     if opts.get("max_new_tokens") is not None:
         check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
+    if opts.get("prompt") is not None and not str(opts["prompt"]).strip():
+        raise UsageError("--prompt is empty; give an instruction, or leave --prompt out for a summary")
     check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
     if opts["device"] == "cpu":  # the default: no need to import torch (seconds) to know that a CPU exists
         check_choice("dtype", opts["dtype"], DTYPE_CHOICES)
@@ -470,7 +472,9 @@ def summarize(
                            position_mode=position_mode, probe_window=probe_window, json=json_out,
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
-    prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] else DEFAULT_SUMMARY_PROMPT
+    check_answer_length(opts)
+    prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] is not None \
+        else DEFAULT_SUMMARY_PROMPT
     session, result = read_document(opts, file, reconstruct_default=False)
     if not opts["json"] and (result.stream.drift is not None or opts.get("max_kl") is not None):
         # asked for (--estimate, --max-kl) and paid for: said, as compress's line says it (--json carries it)
@@ -651,6 +655,7 @@ def ask(
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
                            no_repeat=no_repeat, json=json_out, quiet=quiet)
+    check_answer_length(opts)
     questions = _questions(opts, question)
     if len(cache_files) > 1 or cache_files[0].is_dir():
         ask_many(opts, cache_files, questions)
@@ -747,6 +752,13 @@ def typed_text(opts: dict, name: str, typed: str | bytes) -> str:
     for line in notes:
         note(opts, f"note: {line}")
     return text
+
+
+def check_answer_length(opts: dict) -> None:
+    """`ask` and `summarize` write an answer: --max-new-tokens 0 (a planned answer length for `compress`) would print
+    nothing and succeed."""
+    if opts["max_new_tokens"] == 0:
+        raise UsageError("--max-new-tokens 0 leaves no room for an answer; give at least 1")
 
 
 def _questions(opts: dict, question: str) -> list[str]:

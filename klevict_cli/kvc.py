@@ -261,7 +261,10 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 
 def is_kvc_file(path: Path) -> bool:
-    """Whether `path` holds a klevict cache (its header says so; the rest unchecked): what `-o` may replace."""
+    """What `-o` may replace: a file named .kvc (a broken cache is re-made in place), or one whose header says it is
+    a klevict cache whatever its name (the rest unchecked)."""
+    if path.suffix.lower() == ".kvc":
+        return True
     try:
         read_metadata(path)
     except CacheFileError:

@@ -971,7 +971,7 @@ def test_inspect_bad_files(kvc_copy, damage):
     ("budget", "shown"), [("5%", "5%"), ("0.05", "5%"), ("64", "64"), ("2k", "2048")],
 )
 def test_budget_forms_accepted(doc, model, budget, shown):
-    data = json_out(invoke("summarize", doc, "--model", model, "--budget", budget, *FAST, "--max-new-tokens", "0",
+    data = json_out(invoke("summarize", doc, "--model", model, "--budget", budget, *FAST, "--max-new-tokens", "1",
                            "--json"))
     assert data["budget"] == shown
     if shown == "2048":  # more than the document: everything is kept
@@ -1350,6 +1350,21 @@ def test_outputs_named_dash_are_refused(compressed, tmp_path, monkeypatch):
 
 def test_ask_with_one_argument_says_what_is_missing(compressed):
     assert_error(invoke("ask", compressed[0]), 2, "klevict ask CACHE QUESTION")
+
+
+def test_an_answer_of_no_tokens_and_an_empty_prompt_are_refused(compressed, doc, model):
+    """ask / summarize with --max-new-tokens 0 would print nothing and succeed; --prompt '' or '   ' is no
+    instruction (as an empty question is none). compress keeps 0: there it only plans the answer's room."""
+    assert_error(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, "--max-new-tokens", "0"), 2,
+                 "--max-new-tokens 0 leaves no room for an answer")
+    for prompt in ("", "   "):
+        assert_error(invoke("summarize", doc, "--model", model, "--prompt", prompt), 2, "--prompt is empty")
+    assert_error(invoke("summarize", doc, "--model", model, "--max-new-tokens", "0"), 2, "no room for an answer")
+
+
+def test_standard_input_into_a_batch_folder_says_so(doc, tmp_path):
+    assert_error(invoke("compress", "-", "-o", f"{tmp_path}/", input="Call me Ishmael."), 2,
+                 "standard input (-) cannot go into a batch", "-o NAME.kvc")
 
 
 def test_an_empty_answer_is_said(compressed, model, monkeypatch):
