@@ -103,7 +103,8 @@ MethodOpt = Annotated[str | None, typer.Option("--method", help=f"Eviction polic
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", help="Tokens per prefill chunk (default 512).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:N, mps or auto.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1; "
+                                              "default 0: the same sampled answer each run unless it changes).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default), or 0.01 to 100.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
@@ -135,8 +136,8 @@ EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", he
                                                  "on a CPU). Default: on for compress of 1,024 tokens or more, off "
                                                  "for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
-                                               "(mean next-token KL, nats per token) is at most this; --budget is "
-                                               "then only a cap.")]
+                                               "(mean next-token KL, nats per token) is at most this; a --budget "
+                                               "given is then only a cap (the default budget does not apply).")]
 WorkingOpt = Annotated[str | None, typer.Option("--working-limit", help="Entries per KV head held while reading "
                                                  "before evicting: a multiple of the budget (4x, the default) or a "
                                                  "count (8k).")]
