@@ -381,7 +381,8 @@ def _parse_header(path: Path, raw: bytes, data_size: int) -> tuple[dict[str, str
     if end > data_size:
         raise _error(path, f"file is truncated: the data needs {end} bytes but only {data_size} are present")
     if end < data_size:
-        raise _error(path, f"{data_size - end} bytes of trailing garbage after the data")
+        extra = data_size - end
+        raise _error(path, f"{extra} byte{'s' if extra != 1 else ''} of trailing garbage after the data")
     return metadata, entries
 
 

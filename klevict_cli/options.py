@@ -349,7 +349,7 @@ def format_size(size: int) -> str:
         if size >= _SIZE_UNITS[unit.lower()]:
             value = size / _SIZE_UNITS[unit.lower()]
             return f"{value:.2f} {unit}iB" if value < 10 else f"{value:.0f} {unit}iB"
-    return f"{size} bytes"
+    return "1 byte" if size == 1 else f"{size} bytes"
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")  # auto: float32 on CPU (fast and exact), bfloat16 on CUDA

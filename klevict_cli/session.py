@@ -295,7 +295,8 @@ class Session:
             per_entry = sum(s.kv_heads * entry_bytes(dtype, s.key_dim, s.value_dim) for s in scored)
             budgets[dtype] = min(int((size - fixed) // per_entry), n_tokens, cap or n_tokens)
         if max(budgets.values()) < 1:
-            raise ResourceError(f"--max-bytes {limit} ({format_size(size)}) cannot hold one entry per head of this"
+            shown = f"{limit} ({format_size(size)})" if limit.share is not None else str(limit)  # a share: its size
+            raise ResourceError(f"--max-bytes {shown} cannot hold one entry per head of this"
                                 f" model, even as {list(budgets)[-1]}")
         return {dtype: budget for dtype, budget in budgets.items() if budget >= 1}
 
