@@ -670,7 +670,9 @@ def ask(
         read_metadata(cache_file)
     session = session_for(opts)
     stream, meta = session.load(cache_file)
-    answer_all(opts, session, stream, meta, questions)
+    # --json lines carry the same fields whether one cache or many is asked (a script need not know which)
+    answer_all(opts, session, stream, meta, questions, cache=str(cache_file), source=meta.get("source_name"),
+               status="ok")
 
 
 def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:

@@ -63,6 +63,9 @@ def describe(path: Path, kvc: KvcFile) -> dict:
         "kept_per_layer": per_layer,
         "kv_bytes_kept": kept,
         "kv_bytes_full": full,
+        # under compress --json's names too: one script reads both
+        "cache_bytes": kept,
+        "kept_entries": sum(map(sum, per_layer)),
         "ratio": kept / full if full else 0.0,
         "tokens_kept_anywhere": int((share > 0).sum()),
         "spans": len(runs),

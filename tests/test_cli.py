@@ -264,6 +264,9 @@ def test_compress_json_reports_the_real_file_size(compressed):
     assert summary["budget_tokens"] == 64
     assert summary["method"] == "kl"
     assert summary["kept_entries"] == 3 * 2 * 64
+    shown = json.loads(invoke("inspect", path, "--json").stdout)  # the fields both report, under the same names
+    assert {k: shown[k] for k in ("cache_bytes", "kept_entries", "file_bytes")} == \
+        {k: summary[k] for k in ("cache_bytes", "kept_entries", "file_bytes")}
 
 
 def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
@@ -598,6 +601,8 @@ def test_ask_json_fields(compressed, model):
     assert isinstance(data["answer"], str)
     assert data["first_token_seconds"] >= 0
     assert 0 <= data["new_tokens"] <= 4
+    # the fields a folder's answers carry too: `jq '.source + ": " + .answer'` works for one cache or many
+    assert (data["cache"], Path(data["source"]).name, data["status"]) == (str(compressed[0]), "doc.txt", "ok")
 
 
 def test_ask_questions_from_stdin_one_json_line_each(compressed, model):
