@@ -657,6 +657,9 @@ def ask(
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
                            no_repeat=no_repeat, json=json_out, quiet=quiet)
     check_answer_length(opts)
+    if any(str(path) == "-" for path in cache_files):  # a cache is checked whole before use: it must be a file
+        raise UsageError("ask reads a cache from a file, not standard input (- is for the questions); save it with"
+                         " compress -o FILE.kvc")
     questions = _questions(opts, question)
     if len(cache_files) > 1 or cache_files[0].is_dir():
         ask_many(opts, cache_files, questions)

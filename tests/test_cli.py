@@ -1367,6 +1367,11 @@ def test_an_answer_of_no_tokens_and_an_empty_prompt_are_refused(compressed, doc,
     assert_error(invoke("summarize", doc, "--model", model, "--max-new-tokens", "0"), 2, "no room for an answer")
 
 
+def test_a_cache_from_standard_input_is_refused_with_what_to_do(model):
+    assert_error(invoke("ask", "-", "Who?", "--model", model, input=b"KVC"), 2, "not standard input",
+                 "compress -o FILE.kvc")
+
+
 def test_standard_input_into_a_batch_folder_says_so(doc, tmp_path):
     assert_error(invoke("compress", "-", "-o", f"{tmp_path}/", input="Call me Ishmael."), 2,
                  "standard input (-) cannot go into a batch", "-o NAME.kvc")
