@@ -797,9 +797,11 @@ def inspect(
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
 
+    if text and json_out:
+        raise UsageError("--text shows the document on a terminal and --json has no text view: choose one")
     if html_path is not None:
         check_destination(html_path, "--html", inputs=[cache_file], replaces=("an HTML page", is_html_file))
-    decode = (text and not json_out) or html_path is not None
+    decode = text or html_path is not None
     model = (model or model_of(cache_file)) if decode else None
     html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
     inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model, html_out=html_out)

@@ -884,6 +884,10 @@ def test_inspect_text_shows_the_document(compressed):
     assert "Ishmael" in result.stdout.replace("⟦", "").replace("⟧", "")  # kept-span marks may split a word
 
 
+def test_inspect_text_with_json_is_refused_not_dropped(compressed):
+    assert_error(invoke("inspect", compressed[0], "--text", "--json"), 2, "--text", "--json", "choose one")
+
+
 def test_inspect_text_with_another_tokenizer_is_refused(kvc_copy, model):
     """Tokens decoded by a tokenizer that did not make them read as garbage: refused, as `ask` refuses the cache."""
     from tests.test_kvc import raw_parts, write_raw
