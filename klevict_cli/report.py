@@ -63,15 +63,24 @@ def describe(path: Path, kvc: KvcFile) -> dict:
         "kept_per_layer": per_layer,
         "kv_bytes_kept": kept,
         "kv_bytes_full": full,
-        # under compress --json's names too: one script reads both
+        # under compress --json's names and types too: one script reads both (null budget: nothing evicted)
         "cache_bytes": kept,
         "kept_entries": sum(map(sum, per_layer)),
+        "document": {"name": meta.get("source_name"), "sha256": meta.get("source_sha256"),
+                     "tokens": _count(meta.get("document_tokens"))},
+        "prefix_tokens": _count(meta.get("prefix_tokens")),
+        "budget_tokens": _count(meta.get("budget_tokens")),
         "ratio": kept / full if full else 0.0,
         "tokens_kept_anywhere": int((share > 0).sum()),
         "spans": len(runs),
         "longest_spans": sorted(runs, key=lambda r: r[0] - r[1])[:5],
         "estimated_kl": estimated_kl(meta),
     }
+
+
+def _count(value: str | None) -> int | None:
+    """A count the metadata holds as text, as a number; None where it holds none ('all', or missing)."""
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def full_itemsize(kvc: KvcFile) -> int:

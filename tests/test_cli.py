@@ -265,8 +265,8 @@ def test_compress_json_reports_the_real_file_size(compressed):
     assert summary["method"] == "kl"
     assert summary["kept_entries"] == 3 * 2 * 64
     shown = json.loads(invoke("inspect", path, "--json").stdout)  # the fields both report, under the same names
-    assert {k: shown[k] for k in ("cache_bytes", "kept_entries", "file_bytes")} == \
-        {k: summary[k] for k in ("cache_bytes", "kept_entries", "file_bytes")}
+    shared = ("cache_bytes", "kept_entries", "file_bytes", "document", "prefix_tokens", "budget_tokens")
+    assert {k: shown[k] for k in shared} == {k: summary[k] for k in shared}
 
 
 def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
