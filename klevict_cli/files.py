@@ -118,11 +118,12 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
         raise UsageError(f"{shown}: give a file name ({flag} does not write to standard output)")
     path = target_of(path)
     try:
-        mode = os.stat(path).st_mode
+        found = os.stat(path)
     except FileNotFoundError:
-        mode = None
+        found = None
     except OSError as exc:
         raise OutputError(f"{shown}: cannot write it ({exc.strerror or exc})") from None
+    mode = found.st_mode if found is not None else None
     if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{shown} is a directory{folder_hint}")
     for source in inputs:
@@ -131,7 +132,7 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
                           " name, or - for standard output")
-    if mode is not None and replaces is not None and os.stat(path).st_size and not replaces[1](path):  # empty: free
+    if found is not None and replaces is not None and found.st_size and not replaces[1](path):  # empty: free
         raise UsageError(f"{shown} exists and is not {replaces[0]}; klevict replaces only its own outputs: remove it"
                          " first or choose another name")
     folder = path.parent
