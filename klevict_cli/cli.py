@@ -68,6 +68,7 @@ DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "cache_dtype": None,
     "seed": 0,
+    "threads": None,  # torch's own choice: one per core
     "max_new_tokens": 256,
     "prompt": None,
     "temperature": 0.0,
@@ -84,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "reconstruct": None,  # None: on for compress (a saved cache serves questions), off for summarize
     "estimate": None,  # the same
 }
+MAX_THREADS = 1024  # more would only add threads that wait
 CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 
 # ---- shared options ------------------------------------------------------------------------------------------
@@ -105,6 +107,8 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1; "
                                               "default 0: the same sampled answer each run unless it changes).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core; fewer "
+                                                "when other work shares the machine).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default), or 0.01 to 100.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]
@@ -125,7 +129,8 @@ MemoryOpt = Annotated[str | None, typer.Option("--max-memory", help="Refuse up f
                                                 "estimate, need more memory than this (e.g. 4G; long reads can pass "
                                                 "it by a fifth).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file with any of these options.")]
-BENCH_CONFIG = ("model", "chunk_size", "device", "dtype", "seed", "probe_window", "probe_dtype", "quiet", "json")
+BENCH_CONFIG = ("model", "chunk_size", "device", "dtype", "seed", "threads", "probe_window", "probe_dtype", "quiet",
+                "json")
 BenchConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file of the model and reading options ("
                                                      + ", ".join(k.replace("_", "-") for k in BENCH_CONFIG)
                                                      + "); bench's own options (--budgets, --windows, ...) are "
@@ -273,6 +278,8 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
     if opts.get("prompt") is not None and not str(opts["prompt"]).strip():
         raise UsageError("--prompt is empty; give an instruction, or leave --prompt out for a summary")
     check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
+    if opts.get("threads") is not None:
+        check_positive_int("threads", opts["threads"], MAX_THREADS)
     if opts["device"] == "cpu":  # the default: no need to import torch (seconds) to know that a CPU exists
         check_choice("dtype", opts["dtype"], DTYPE_CHOICES)
     else:
@@ -457,20 +464,20 @@ def summarize(
     file: Annotated[str, typer.Argument(help="Document (.txt, .md, .pdf) or - for stdin.", metavar="FILE")],
     prompt: Annotated[str | None, typer.Option("--prompt", help="Instruction after the document.")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, max_new_tokens: MaxNewOpt = None,
-    temperature: TempOpt = None, top_p: TopPOpt = None, repetition_penalty: RepeatOpt = None,
-    no_repeat: NoRepeatOpt = None, position_mode: ModeOpt = None, probe_window: ProbeOpt = None,
-    working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None, max_kl: MaxKlOpt = None,
-    estimate: EstimateOpt = None, probe_dtype: ProbeDtypeOpt = None, max_memory: MemoryOpt = None,
-    json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, threads: ThreadsOpt = None,
+    max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
+    repetition_penalty: RepeatOpt = None, no_repeat: NoRepeatOpt = None, position_mode: ModeOpt = None,
+    probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
+    max_kl: MaxKlOpt = None, estimate: EstimateOpt = None, probe_dtype: ProbeDtypeOpt = None,
+    max_memory: MemoryOpt = None, json_out: JsonOpt = None, quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Read a document with eviction between chunks, then summarise it."""
     from klevict_cli.prompts import DEFAULT_SUMMARY_PROMPT
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
-                           dtype=dtype, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, repetition_penalty=repetition_penalty, no_repeat=no_repeat,
-                           position_mode=position_mode, probe_window=probe_window, json=json_out,
+                           dtype=dtype, seed=seed, threads=threads, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                           no_repeat=no_repeat, position_mode=position_mode, probe_window=probe_window, json=json_out,
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_answer_length(opts)
@@ -505,8 +512,9 @@ def compress(
     workers: Annotated[int | None, typer.Option("--workers", help="Ray: model-holding actors (default: one per "
                                                 "CPU of the cluster, at most one per document).")] = None,
     model: ModelOpt = None, budget: BudgetOpt = None, method: MethodOpt = None, chunk_size: ChunkOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, position_mode: ModeOpt = None,
-    probe_window: ProbeOpt = None, working_limit: WorkingOpt = None, reconstruct: ReconstructOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None, threads: ThreadsOpt = None,
+    position_mode: ModeOpt = None, probe_window: ProbeOpt = None, working_limit: WorkingOpt = None,
+    reconstruct: ReconstructOpt = None,
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", help="Store keys/values as float32, float16, "
                                                     "bfloat16, int8 or int4 (per-group codes; default: the model's "
                                                     "dtype).")] = None,
@@ -522,7 +530,8 @@ def compress(
     from klevict_cli.batch import is_batch
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
-                           dtype=dtype, seed=seed, position_mode=position_mode, probe_window=probe_window,
+                           dtype=dtype, seed=seed, threads=threads, position_mode=position_mode,
+                           probe_window=probe_window,
                            cache_dtype=cache_dtype, max_bytes=max_bytes, json=json_out, quiet=quiet, output=output,
                            max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct,
                            max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
@@ -648,12 +657,13 @@ def ask(
                                             "(several: each answer under a 'Q: question' line).",
                                             metavar="QUESTION")],
     model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, seed: SeedOpt = None,
-    max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
+    threads: ThreadsOpt = None, max_new_tokens: MaxNewOpt = None, temperature: TempOpt = None, top_p: TopPOpt = None,
     repetition_penalty: RepeatOpt = None, no_repeat: NoRepeatOpt = None, json_out: JsonOpt = None,
     quiet: QuietOpt = None, config: ConfigOpt = None,
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
-    opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, max_new_tokens=max_new_tokens,
+    opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, threads=threads,
+                           max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
                            no_repeat=no_repeat, json=json_out, quiet=quiet)
     check_answer_length(opts)
@@ -852,8 +862,8 @@ def bench(
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
     model: ModelOpt = None, chunk_size: ChunkOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    seed: SeedOpt = None, probe_window: ProbeOpt = None, probe_dtype: ProbeDtypeOpt = None, quiet: QuietOpt = None,
-    config: BenchConfigOpt = None,
+    seed: SeedOpt = None, threads: ThreadsOpt = None, probe_window: ProbeOpt = None,
+    probe_dtype: ProbeDtypeOpt = None, quiet: QuietOpt = None, config: BenchConfigOpt = None,
 ):
     """Measure eviction methods side by side: KL to the full cache, top-1, perplexity, cost, needle retrieval."""
     from klevict_cli.bench import TASKS, BenchSettings, parse_budgets, parse_methods, render, run_bench
@@ -862,7 +872,8 @@ def bench(
 
     from_file = load_config(config)
     opts = resolve_options(config, from_file, model=model, chunk_size=chunk_size, device=device, dtype=dtype,
-                           seed=seed, probe_window=probe_window, probe_dtype=probe_dtype, quiet=quiet, json=json_out)
+                           seed=seed, threads=threads, probe_window=probe_window, probe_dtype=probe_dtype,
+                           quiet=quiet, json=json_out)
     ignored = sorted(set(from_file) - set(BENCH_CONFIG))  # e.g. a compress config's max_kl: not a list
     if ignored:
         note(opts, f"note: bench ignores {', '.join(ignored)} in {config}: its own options (--budgets, --max-kl,"

@@ -39,6 +39,7 @@ OPTION_TYPES: dict[str, type] = {
     "dtype": str,
     "cache_dtype": str,
     "seed": int,
+    "threads": int,
     "max_new_tokens": int,
     "prompt": str,
     "temperature": float,

@@ -30,6 +30,10 @@ def _session(model: str | None, device: str, dtype: str, quiet: bool):
 
 
 def session_for(opts: dict):
+    if opts.get("threads") is not None:
+        import torch
+
+        torch.set_num_threads(opts["threads"])
     quiet = opts["quiet"] or not err.is_terminal
     what = f"model {shown(opts['model'])}" if opts["model"] else "the default model"
     loading = contextlib.nullcontext() if quiet else err.status(f"loading {what}")

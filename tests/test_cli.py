@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1076,11 +1077,40 @@ def test_other_bad_option_values(doc, model, option, value):
     [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "1e-320"), ("--temperature", "1000"),
      ("--top-p", "nan"), ("--top-p", "inf"), ("--repetition-penalty", "nan"), ("--repetition-penalty", "inf"),
      ("--seed", str(2**64)), ("--seed", "-1"), ("--max-new-tokens", str(10**20)), ("--chunk-size", str(10**11)),
-     ("--probe-window", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G")],
+     ("--probe-window", str(10**11)), ("--budget", "9" * 400), ("--max-memory", "9" * 400 + "G"),
+     ("--threads", "0"), ("--threads", "-2"), ("--threads", "100000")],
 )
 def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, monkeypatch, option, value):
     monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
+
+
+def test_threads_set_torch_threads_for_the_read(doc, model, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        for args in (["--threads", "1"], ["--config", tmp_path / "t.yaml"]):
+            (tmp_path / "t.yaml").write_text("threads: 1\n")
+            torch.set_num_threads(2)
+            result = invoke("summarize", doc, "--model", model, *FAST, *GEN, *args)
+            assert result.exit_code == 0, result.stderr
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """Set before torch loads (klevict_cli/__init__.py): spinning threads made a read many times slower beside other
+    work. A value in the environment is the user's and stays."""
+    code = "import os, klevict_cli; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def policy(**extra) -> str:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert policy() == "PASSIVE"
+    assert policy(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert policy(GOMP_SPINCOUNT="300000") == "None"  # the user's spin count, under libgomp's own policy
 
 
 def test_numeric_options_from_the_config_are_checked_too(doc, model, tmp_path):
