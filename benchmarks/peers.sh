@@ -8,6 +8,8 @@
 # windows all measured. Raw results go to benchmarks/results/.
 # With RERUN=BUDGETS (e.g. RERUN=50%,20%), the parts named are measured at those budgets only, into `-rerun` part files
 # that supersede the same budgets of the full parts when merged: for a change that acts only at those budgets.
+# With SEED=N (default 0), the fidelity windows are drawn with that seed, into files named `-sN` (seed 0 keeps the
+# plain names): a fresh set of windows, none of them used to tune kl.
 # Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,kl-reconstruct,needle]
 # (the peers' needles run when both peers and needle are named)
 set -euo pipefail
@@ -15,6 +17,7 @@ moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=,${5:-peers,kl,kl
 here=$(dirname "$0"); out=$here/results
 mkdir -p "$out/parts"
 rerun=${RERUN:+-rerun}
+seed=${SEED:-0}; drawn=; [[ $seed == 0 ]] || drawn=-s$seed
 only() {  # BUDGETS: the budgets measured (RERUN's, if given, where it names some of them)
   if [[ -z ${RERUN:-} ]]; then echo "$1"; return; fi
   local b kept=(); for b in ${1//,/ }; do [[ ,$RERUN, == *,$b,* ]] && kept+=("$b"); done
@@ -30,17 +33,18 @@ merged() {  # OUTPUT PART_FILE...: each part after its rerun, if there is one (t
 }
 fidelity() {  # NAME TEXT METHODS PART
   local budgets; budgets=$(only 50%,20%,10%,5%); [[ -n $budgets ]] || return 0
-  klevict bench "$2" --methods "$3" --budgets "$budgets" --windows "$windows" --context 4096 --seed 0 \
-    --quiet --resume --out "$out/parts/$4-$1-4k$rerun.json" > /dev/null
+  klevict bench "$2" --methods "$3" --budgets "$budgets" --windows "$windows" --context 4096 --seed "$seed" \
+    --quiet --resume --out "$out/parts/$4-$1-4k$drawn$rerun.json" > /dev/null
 }
 for pair in "moby:$moby" "hamlet:$hamlet"; do
   name=${pair%%:*}; text=${pair#*:}
   [[ $parts == *,peers,* ]] && fidelity "$name" "$text" kvgrad,kvzip,expected_attention,observed_attention peers
   [[ $parts == *,kl,* ]] && fidelity "$name" "$text" kl kl
   [[ $parts == *,kl-reconstruct,* ]] && fidelity "$name" "$text" kl-reconstruct kl-reconstruct
-  inputs=("$out/parts/kl-$name-4k.json" "$out/parts/kl-reconstruct-$name-4k.json" "$out/parts/peers-$name-4k.json")
+  inputs=("$out/parts/kl-$name-4k$drawn.json" "$out/parts/kl-reconstruct-$name-4k$drawn.json"
+          "$out/parts/peers-$name-4k$drawn.json")
   if [[ -f ${inputs[0]} && -f ${inputs[1]} && -f ${inputs[2]} ]]; then
-    merged "$out/peers-$name-4k.json" "${inputs[@]}"
+    merged "$out/peers-$name-4k$drawn.json" "${inputs[@]}"
   fi
 done
 needle() {  # METHODS PART
