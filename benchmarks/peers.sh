@@ -11,6 +11,7 @@
 # With SEED=N (default 0), the fidelity windows are drawn with that seed, into files named `-sN` (seed 0 keeps the
 # plain names): a fresh set of windows, none of them used to tune kl.
 # Usage: benchmarks/peers.sh MOBY_DICK.txt HAMLET.md [WINDOWS] [HAYSTACKS] [PARTS: peers,kl,kl-reconstruct,needle]
+# (the second text may be another play: its results are named after its file, e.g. king-lear)
 # (the peers' needles run when both peers and needle are named)
 set -euo pipefail
 moby=$1; hamlet=$2; windows=${3:-8}; haystacks=${4:-10}; parts=,${5:-peers,kl,kl-reconstruct,needle},
@@ -36,8 +37,8 @@ fidelity() {  # NAME TEXT METHODS PART
   klevict bench "$2" --methods "$3" --budgets "$budgets" --windows "$windows" --context 4096 --seed "$seed" \
     --quiet --resume --out "$out/parts/$4-$1-4k$drawn$rerun.json" > /dev/null
 }
-for pair in "moby:$moby" "hamlet:$hamlet"; do
-  name=${pair%%:*}; text=${pair#*:}
+for text in "$moby" "$hamlet"; do
+  name=$(basename "${text%.*}"); [[ $name == moby-dick ]] && name=moby  # a result's name: its text's
   [[ $parts == *,peers,* ]] && fidelity "$name" "$text" kvgrad,kvzip,expected_attention,observed_attention peers
   [[ $parts == *,kl,* ]] && fidelity "$name" "$text" kl kl
   [[ $parts == *,kl-reconstruct,* ]] && fidelity "$name" "$text" kl-reconstruct kl-reconstruct
