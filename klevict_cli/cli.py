@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import signal
 import sys
@@ -36,9 +35,9 @@ from klevict_cli.files import (
     write_stdout,
 )
 from klevict_cli.options import (
-    DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, check_choice, check_int_range, check_positive_int, check_real,
-    load_config, merge_options, parse_budget, parse_byte_limit, parse_size, parse_working_limit, resolve_device,
-    resolve_dtype,
+    DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, TYPE_NAMES, TYPED, check_choice, check_int_range,
+    check_positive_int, check_real, load_config, merge_options, parse_budget, parse_byte_limit, parse_size,
+    parse_working_limit, resolve_device, resolve_dtype,
 )
 from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
 
@@ -204,10 +203,15 @@ def _raise_terminated(signum, frame):
 
 
 def _show_usage_error(self, file=None) -> None:
-    """Option-parser mistakes (unknown flag, missing value) get the same one-line form as every other error."""
+    """Option-parser mistakes (unknown flag, missing value) get the same one-line form as every other error; a value
+    that is not a number says so as klevict's own checks do ("invalid --seed 'x'; must be an integer"), not in
+    click's words."""
     ctx = getattr(self, "ctx", None)
     hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
     message = self.format_message()
+    not_parsed = _not_parsed(self, ctx)
+    if not_parsed is not None:
+        message, hint = not_parsed, ""
     missing = getattr(getattr(self, "param", None), "name", "")
     if ctx is not None and ctx.info_name == "ask" and missing == "cache_files":
         # given one argument, click takes it for QUESTION and says CACHE is missing, though the question is
@@ -216,6 +220,44 @@ def _show_usage_error(self, file=None) -> None:
 
 
 click.exceptions.UsageError.show = _show_usage_error
+
+
+def _not_parsed(error, ctx) -> str | None:
+    """An option's text that its type refused (`--temperature abc`, `--max-new-tokens 1.5`), in klevict's words; None
+    for any other parser error."""
+    param = getattr(error, "param", None)
+    if ctx is None or not isinstance(error, click.exceptions.BadParameter) or \
+            getattr(param, "param_type_name", "") != "option":
+        return None
+    kind = TYPE_NAMES.get(getattr(getattr(param, "type_descriptor", None), "annotation", None))
+    text, parsed = ctx.meta.get(TYPED, {}).get(param.name, (None, None))
+    if text is None or parsed is not None or kind is None:
+        return None
+    return f"invalid {param.opts[0]} '{text}'; must be {kind}"
+
+
+def _remember_typed() -> None:
+    """Keep each option's text as typed (options.TYPED), for messages that quote it: click keeps only the value
+    parsed from it, and `-1.0` or `1000.0` is not what the user wrote (`-1`, `1e3`)."""
+    parameter = getattr(typer.core, "_TyperParameter", None)
+    if parameter is None or not hasattr(parameter, "process_value"):
+        return  # another typer: messages show parsed values, harmless
+    plain = parameter.process_value
+
+    def process_value(self, ctx, value):
+        if not (isinstance(value, str) and self.name
+                and ctx.get_parameter_source(self.name) == click.core.ParameterSource.COMMANDLINE):
+            return plain(self, ctx, value)
+        typed = ctx.meta.setdefault(TYPED, {})
+        typed[self.name] = (value, None)
+        parsed = plain(self, ctx, value)
+        typed[self.name] = (value, parsed)
+        return parsed
+
+    parameter.process_value = process_value
+
+
+_remember_typed()
 
 
 def _patch_argument_help() -> None:
@@ -881,8 +923,8 @@ def bench(
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)
-    if working is not None and not (math.isfinite(working) and working >= 1):
-        raise UsageError(f"invalid --working {working}; give a multiple of the budget, at least 1")
+    if working is not None:
+        check_real("working", working, working >= 1, "a multiple of the budget, at least 1")
     check_choice("task", task, TASKS)
     settings = BenchSettings(
         methods=parse_methods(methods, POLICIES), budgets=[str(b) for b in parse_budgets(budgets)], windows=windows,
@@ -930,7 +972,7 @@ def parse_tolerances(text: str | None) -> list[float]:
             value = float(part)
         except ValueError:
             raise UsageError(f"invalid --max-kl '{text}'; give tolerances in nats per token such as 0.01,0.03")
-        return check_real("max_kl", value, value > 0, "a positive number of nats per token")
+        return check_real("max_kl", value, value > 0, "a positive number of nats per token", text=part.strip())
 
     return parse_list("--max-kl", text, tolerance, "a tolerance")
 

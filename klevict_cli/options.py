@@ -67,7 +67,10 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "position_mode": ("auto", "original", "compact"),
     "probe_dtype": PROBE_DTYPE_CHOICES,
 }
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+# Where the command line keeps what the user typed for each option (cli.remember_typed): ctx.meta[TYPED][name] is
+# (the text, the value parsed from it, or None where it did not parse).
+TYPED = "klevict.typed"
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def load_config(path: Path | None) -> dict:
 
 def _check_config_value(where: str, key: object, name: str, value: object) -> object:
     expected = OPTION_TYPES[name]
-    wrong = UsageError(f"{where}: key '{key}' must be {_TYPE_NAMES[expected]}, got {_describe(value)}")
+    wrong = UsageError(f"{where}: key '{key}' must be {TYPE_NAMES[expected]}, got {_describe(value)}")
     if isinstance(value, bool) and expected is not bool:
         raise wrong
     if expected is bool:
@@ -258,23 +261,37 @@ def check_choice(name: str, value: object, choices: Collection) -> object:
 def check_positive_int(name: str, value: object, maximum: int = MAX_COUNT) -> int:
     """Reject anything but an integer in [1, maximum]; a bool is not an integer here."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be a positive integer")
+        raise UsageError(f"invalid --{_flag(name)} '{typed(name, value)}'; must be a positive integer")
     return check_int_range(name, value, 1, maximum)
 
 
 def check_int_range(name: str, value: int, low: int, high: int) -> int:
     """An integer option within [low, high]; the command line takes integers of any size."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise UsageError(f"invalid --{_flag(name)} '{value}'; must be an integer from {low} to {high}")
+        raise UsageError(f"invalid --{_flag(name)} '{typed(name, value)}'; must be an integer from {low} to {high}")
     return value
 
 
-def check_real(name: str, value: float, accepted: bool, rule: str) -> float:
+def check_real(name: str, value: float, accepted: bool, rule: str, text: str | None = None) -> float:
     """A number option: `accepted` is its rule written positively, so that NaN, which fails every comparison, is
-    refused with it; infinities are refused here."""
+    refused with it; infinities are refused here. `text`: what the user wrote for it, where it was one item of a
+    list (`bench --max-kl 0.01,-1`)."""
     if not (accepted and math.isfinite(value)):
-        raise UsageError(f"invalid --{_flag(name)} {value}; it must be {rule}")
+        raise UsageError(f"invalid --{_flag(name)} '{text or typed(name, value)}'; it must be {rule}")
     return value
+
+
+def typed(name: str, value: object) -> str:
+    """`value` as the user typed it on the command line (`-1`, `1e3`), not as parsed (`-1.0`, `1000.0`), so that a
+    message quotes what the user can find in the command; from elsewhere (a config file's `-1`), a whole number
+    without the `.0` that reading it as a float added."""
+    from typer._click.globals import get_current_context  # typer vendors its own click
+
+    ctx = get_current_context(silent=True)
+    text, parsed = (ctx.meta.get(TYPED, {}) if ctx is not None else {}).get(name, (None, None))
+    if text is not None and repr(parsed) == repr(value):
+        return text
+    return str(value).removesuffix(".0") if isinstance(value, float) else str(value)
 
 
 def _flag(name: str) -> str:

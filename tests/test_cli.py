@@ -1085,6 +1085,38 @@ def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, mo
     assert_error(invoke("summarize", doc, "--model", model, *FAST, option, value), 2, option)
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [(["--temperature", "-1"], "error: invalid --temperature '-1'; it must be 0 (greedy) or from 0.01 to 100"),
+     (["--top-p", "1e1"], "error: invalid --top-p '1e1'; it must be in (0, 1]"),
+     (["--max-kl", "-1"], "error: invalid --max-kl '-1'; it must be a positive number of nats per token"),
+     (["--temperature", "abc"], "error: invalid --temperature 'abc'; must be a number"),
+     (["--seed", "x"], "error: invalid --seed 'x'; must be an integer"),
+     (["--max-new-tokens", "1.5"], "error: invalid --max-new-tokens '1.5'; must be an integer"),
+     (["-t", "two"], "error: invalid --threads 'two'; must be an integer")],
+)
+def test_a_bad_number_is_quoted_as_typed_in_klevicts_words(doc, model, args, line):
+    """The value the user wrote, not the one parsed from it ('-1', not '-1.0'), and one wording for a value out of
+    range and for one that is not a number at all (click's was "Invalid value for '--seed': Input should be ...")."""
+    assert assert_error(invoke("summarize", doc, "--model", model, *FAST, *args), 2) == line
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [(["--working", "0.5"], "error: invalid --working '0.5'; it must be a multiple of the budget, at least 1"),
+     (["--max-kl", "0.01, -1"], "error: invalid --max-kl '-1'; it must be a positive number of nats per token"),
+     (["--windows", "two"], "error: invalid --windows 'two'; must be an integer")],
+)
+def test_bench_quotes_a_bad_number_as_typed(doc, model, args, line):
+    assert assert_error(invoke("bench", doc, "--model", model, *args), 2) == line
+
+
+def test_a_config_files_whole_number_is_quoted_without_a_decimal_point(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text("temperature: -1\n")
+    assert_error(invoke("summarize", doc, "--model", model, "--config", config), 2, "invalid temperature '-1';")
+
+
 def test_threads_set_torch_threads_for_the_read(doc, model, tmp_path):
     before = torch.get_num_threads()
     try:
