@@ -70,6 +70,8 @@ def describe(path: Path, kvc: KvcFile) -> dict:
                      "tokens": _count(meta.get("document_tokens"))},
         "prefix_tokens": _count(meta.get("prefix_tokens")),
         "budget_tokens": _count(meta.get("budget_tokens")),
+        # the size a --max-kl or --max-bytes cache has (its budget_tokens is only the cap, null where none was given)
+        "kept_budget": _count(meta.get("kept_budget", meta.get("budget_tokens"))),
         "ratio": kept / full if full else 0.0,
         "tokens_kept_anywhere": int((share > 0).sum()),
         "spans": len(runs),
@@ -140,12 +142,13 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         return
     meta = info["metadata"]
     table = Table(title=Text(visible(str(path))), show_header=False)
+    limited = "max_bytes" in meta or "max_kl" in meta
     for key in ("model_id", "method", "budget", "budget_tokens", "max_kl", "max_bytes", "kept_budget",
                 "position_mode", "prefix_tokens", "document_tokens", "next_position", "chunk_size", "cache_dtype",
                 "model_dtype", "source_name", "created", "klevict_version", "format_version"):
         if key == "kept_budget" and meta.get(key) == meta.get("budget_tokens"):
             continue  # a budget kept as asked: said once
-        if key == "budget" and meta.get(key) == "all" and ("max_bytes" in meta or "max_kl" in meta):
+        if key in ("budget", "budget_tokens") and meta.get(key) == "all" and limited:
             continue  # no budget asked: the limit below chose the size ("all" would read as nothing evicted)
         if key in meta:  # values come from the file: Text, so that "[link=…]" stays text
             table.add_row(key, Text(visible(meta[key]) + in_megabytes(meta[key] if key == "max_bytes" else "")))

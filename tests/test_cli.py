@@ -266,7 +266,7 @@ def test_compress_json_reports_the_real_file_size(compressed):
     assert summary["method"] == "kl"
     assert summary["kept_entries"] == 3 * 2 * 64
     shown = json.loads(invoke("inspect", path, "--json").stdout)  # the fields both report, under the same names
-    shared = ("cache_bytes", "kept_entries", "file_bytes", "document", "prefix_tokens", "budget_tokens")
+    shared = ("cache_bytes", "kept_entries", "file_bytes", "document", "prefix_tokens", "budget_tokens", "kept_budget")
     assert {k: shown[k] for k in shared} == {k: summary[k] for k in shared}
 
 
@@ -347,6 +347,8 @@ def test_compress_max_kl_sizes_the_cache_by_the_tolerance(doc, model, tmp_path):
     shown = " ".join(invoke("inspect", tmp_path / "loose.kvc").stdout.replace("│", " ").split())
     assert "max_kl 100.0" in shown and f"kept_budget {loose['kept_budget']}" in shown
     assert "budget all" not in shown  # the tolerance chose the size: "all" would read as nothing evicted
+    assert "budget_tokens all" not in shown  # nor a cap of "all", beside the 50 or so kept
+    assert json_out(invoke("inspect", tmp_path / "loose.kvc", "--json"))["kept_budget"] == loose["kept_budget"]
     config = tmp_path / "k.yaml"
     config.write_text("max_kl: 100\n")
     assert read("--config", str(config))["kept_entries"] == loose["kept_entries"]
