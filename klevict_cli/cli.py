@@ -212,7 +212,7 @@ def _show_usage_error(self, file=None) -> None:
     not_parsed = _not_parsed(self, ctx)
     if not_parsed is not None:
         message, hint = not_parsed, ""
-    missing = getattr(getattr(self, "param", None), "name", "")
+    missing = getattr(getattr(self, "param", None), "name", "") if not_parsed is None else ""
     if ctx is not None and ctx.info_name == "ask" and missing == "cache_files":
         # given one argument, click takes it for QUESTION and says CACHE is missing, though the question is
         message = "ask needs a cache and a question: klevict ask CACHE QUESTION (- reads questions from stdin)"
@@ -223,32 +223,42 @@ click.exceptions.UsageError.show = _show_usage_error
 
 
 def _not_parsed(error, ctx) -> str | None:
-    """An option's text that its type refused (`--temperature abc`, `--max-new-tokens 1.5`), in klevict's words; None
-    for any other parser error."""
+    """An option's text that its type refused (`--temperature abc`, `--max-new-tokens 1.5`), or an empty value, in
+    klevict's words; None for any other parser error."""
     param = getattr(error, "param", None)
-    if ctx is None or not isinstance(error, click.exceptions.BadParameter) or \
-            getattr(param, "param_type_name", "") != "option":
+    if ctx is None or not isinstance(error, click.exceptions.BadParameter) or param is None:
         return None
-    kind = TYPE_NAMES.get(getattr(getattr(param, "type_descriptor", None), "annotation", None))
     text, parsed = ctx.meta.get(TYPED, {}).get(param.name, (None, None))
-    if text is None or parsed is not None or kind is None:
+    if text == "":
+        return (f"{param.opts[0]} is empty; give a value, or leave {param.opts[0]} out"
+                if param.param_type_name == "option" else f"an empty {param.metavar or param.name} argument ('')")
+    kind = TYPE_NAMES.get(getattr(getattr(param, "type_descriptor", None), "annotation", None))
+    if text is None or parsed is not None or kind is None or param.param_type_name != "option":
         return None
     return f"invalid {param.opts[0]} '{text}'; must be {kind}"
 
 
 def _remember_typed() -> None:
     """Keep each option's text as typed (options.TYPED), for messages that quote it: click keeps only the value
-    parsed from it, and `-1.0` or `1000.0` is not what the user wrote (`-1`, `1e3`)."""
+    parsed from it, and `-1.0` or `1000.0` is not what the user wrote (`-1`, `1e3`). An empty value is refused here,
+    for every option and argument: click reads '' as a name for the current folder (`ask "$CACHE" q` with CACHE
+    unset asked every cache there) and several options as "not given" (`--model ''`: the default model)."""
     parameter = getattr(typer.core, "_TyperParameter", None)
     if parameter is None or not hasattr(parameter, "process_value"):
         return  # another typer: messages show parsed values, harmless
     plain = parameter.process_value
 
     def process_value(self, ctx, value):
-        if not (isinstance(value, str) and self.name
+        texts = [value] if isinstance(value, str) else list(value) if isinstance(value, tuple | list) else []
+        if not (texts and self.name
                 and ctx.get_parameter_source(self.name) == click.core.ParameterSource.COMMANDLINE):
             return plain(self, ctx, value)
         typed = ctx.meta.setdefault(TYPED, {})
+        if "" in texts:
+            typed[self.name] = ("", None)
+            raise click.exceptions.BadParameter("empty", ctx=ctx, param=self)
+        if not isinstance(value, str):
+            return plain(self, ctx, value)
         typed[self.name] = (value, None)
         parsed = plain(self, ctx, value)
         typed[self.name] = (value, parsed)

@@ -200,6 +200,8 @@ def _check_config_value(where: str, key: object, name: str, value: object) -> ob
         value = str(value)
     elif not isinstance(value, str):
         raise wrong
+    if value == "":  # as on the command line: not "no value" (`model: ''` read with the default model)
+        raise UsageError(f"{where}: key '{key}' is empty; give a value, or leave the key out")
     choices = OPTION_CHOICES.get(name)
     if choices is not None and value not in choices:
         raise UsageError(f"{where}: key '{key}' must be one of: {', '.join(choices)}; got '{value}'")

@@ -1119,6 +1119,29 @@ def test_a_config_files_whole_number_is_quoted_without_a_decimal_point(doc, mode
     assert_error(invoke("summarize", doc, "--model", model, "--config", config), 2, "invalid temperature '-1';")
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["ask", "", "Why?"], "an empty CACHE argument ('')"), (["summarize", ""], "an empty FILE argument ('')"),
+     (["compress", "", "-o", "out/"], "an empty FILE argument ('')"), (["inspect", ""], "an empty CACHE argument"),
+     (["summarize", "{doc}", "--model", ""], "--model is empty; give a value, or leave --model out"),
+     (["summarize", "{doc}", "--max-memory", ""], "--max-memory is empty"),
+     (["summarize", "{doc}", "--config", ""], "--config is empty")],
+)
+def test_an_empty_value_is_refused_not_read_as_the_folder_or_the_default(doc, tmp_path, monkeypatch, args, needle):
+    """'' (a shell variable left unset) was the current folder to click (`ask "" q` asked every cache in it) and
+    "not given" to some options (`--model ''` read with the default model)."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(doc, tmp_path / "a.txt")
+    assert_error(invoke(*[str(doc) if a == "{doc}" else a for a in args]), 2, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_an_empty_config_value_is_refused(doc, model, tmp_path):
+    config = tmp_path / "klevict.yaml"
+    config.write_text("model: ''\n")
+    assert_error(invoke("summarize", doc, "--config", config), 2, f"config file {config}: key 'model' is empty")
+
+
 def test_threads_set_torch_threads_for_the_read(doc, model, tmp_path):
     before = torch.get_num_threads()
     try:
