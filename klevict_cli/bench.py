@@ -532,6 +532,10 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     if settings.context + settings.continuation > session.adapter.max_positions:
         raise ResourceError(f"--context {settings.context} + --continuation {settings.continuation} exceed the model's "
                          f"{session.adapter.max_positions} positions")
+    frame = len(session.frame.prefix_ids(session.lm.tokenizer))
+    if settings.context <= frame:  # a window would read the chat frame's opening and no document at all
+        raise UsageError(f"invalid --context {settings.context}; the chat frame's opening takes {frame} tokens of it:"
+                         f" give more than {frame}")
     doc_ids = encode_text(session.lm.tokenizer, document.text)
     tasks = {"both": ["fidelity", "needle"], "all": ["fidelity", "needle", "recall"]}.get(settings.task, [settings.task])
     per_task = settings.windows * (1 + len(settings.methods) * len(budgets))

@@ -219,6 +219,15 @@ def test_bench_refuses_windows_that_do_not_fit(session, document):
         run_bench(session, Document("Call me Ishmael.", "short.txt", "0"), BenchSettings(**SETTINGS))
 
 
+def test_bench_refuses_a_context_the_chat_frame_fills(session, document):
+    """A window's context counts the chat frame's opening: one no longer than it read no document (its windows were
+    empty, and the 'continuation' began before the text), and was measured and reported as if it had."""
+    frame = len(session.frame.prefix_ids(session.lm.tokenizer))
+    for context in (1, frame):
+        with pytest.raises(UsageError, match=f"invalid --context {context}; the chat frame's opening takes {frame}"):
+            run_bench(session, document, BenchSettings(**{**SETTINGS, "context": context, "task": "fidelity"}))
+
+
 # ---- the pieces ------------------------------------------------------------------------------------------------
 def test_token_metrics():
     torch.manual_seed(0)
