@@ -147,7 +147,10 @@ def parse_budgets(text: str) -> list[Budget]:
     parts = [b.strip() for b in text.split(",") if b.strip()]
     if not parts:
         raise UsageError("invalid --budgets ''; give a comma-separated list such as 20%,10%,5%")
-    budgets = [parse_budget(p) for p in parts]
+    try:
+        budgets = [parse_budget(p) for p in parts]
+    except UsageError as exc:  # said of bench's own flag, not of --budget, which bench does not take
+        raise UsageError(str(exc).replace("invalid --budget ", "invalid --budgets ", 1)) from None
     if len({str(b) for b in budgets}) != len(budgets):
         raise UsageError(f"invalid --budgets '{text}': a budget is listed twice")
     return budgets

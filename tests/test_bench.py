@@ -299,6 +299,8 @@ def test_parse_methods_and_budgets():
     assert [str(b) for b in parse_budgets("20%,10%, 512")] == ["20%", "10%", "512"]
     with pytest.raises(UsageError):
         parse_budgets("20%,20%")
+    with pytest.raises(UsageError, match=r"^invalid --budgets '0' \(a count of entries must be at least 1\)"):
+        parse_budgets("20%,0")  # bench's own flag: it has no --budget
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
