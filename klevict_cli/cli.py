@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import Count, TextStream, drift_words, err, json_text, shown, visible
+from klevict_cli.display import Count, TextStream, counted, drift_words, err, json_text, shown, visible
 from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, UsageError
 from klevict_cli.files import (
     CLOSED_PIPE,
@@ -538,7 +538,8 @@ def summarize(
     session, result = read_document(opts, file, reconstruct_default=False)
     if not opts["json"] and (result.stream.drift is not None or opts.get("max_kl") is not None):
         # asked for (--estimate, --max-kl) and paid for: said, as compress's line says it (--json carries it)
-        note(opts, f"note: kept {result.kept_budget or 'all'} entries per KV head{drift_text(result.stream.drift)}")
+        note(opts, f"note: kept {counted(result.kept_budget, 'entry', 'entries')} per KV head"
+                   f"{drift_text(result.stream.drift)}")
     answer = generate(opts, session, result.stream, prompt_text, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
@@ -618,8 +619,9 @@ def compress(
                "cache_bytes": kv_bytes(cache),  # as stored: a quantized cache's codes, not the read's floats
                "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
     stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
-    line = (f"wrote {where}: {summary['document']['tokens']} document tokens + {result.prefix_tokens} of the chat"
-            f" frame -> {result.kept_budget or 'all'} entries per head{stored} ({result.settings.method},"
+    line = (f"wrote {where}: {counted(summary['document']['tokens'], 'document token', 'document tokens')} +"
+            f" {result.prefix_tokens} of the chat frame -> {counted(result.kept_budget, 'entry', 'entries')} per"
+            f" head{stored} ({result.settings.method},"
             f" {result.plan.mode} positions), {size / 1e6:.2f} MB, read in {result.seconds:.1f} s")
     line += drift_text(result.stream.drift)
     if opts["json"]:

@@ -36,6 +36,12 @@ def json_text(payload: object) -> str:
     return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
 
 
+def counted(n: int | None, one: str, many: str) -> str:
+    """'1 entry', '2 entries', 'all entries' (None: every one): a one-token document or a one-entry budget is not
+    reported as '1 entries'."""
+    return f"{'all' if n is None else n} {one if n == 1 else many}"
+
+
 def drift_words(drift: dict) -> str:
     """A cache's estimated drift (`Engine.measure_drift`) in words: the estimate, and where the KL of the text that
     follows lands for 80 % of caches (`range80`) or, from a file written without that range, the upper end of the

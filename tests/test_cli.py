@@ -1507,3 +1507,17 @@ def test_inspect_shows_no_budget_of_all_where_a_limit_chose_the_size(doc, model,
     rows = [line.split("│")[1:3] for line in invoke("inspect", out).stdout.splitlines() if line.count("│") >= 3]
     names = {name.strip(): value.strip() for name, value in rows}
     assert "max_bytes" in names and "budget_tokens" in names and "budget" not in names
+
+
+def test_one_of_a_thing_is_said_in_the_singular(model, tmp_path):
+    """A one-token document at a one-entry budget was '1 document tokens ... -> 1 entries per head'."""
+    one = tmp_path / "one.txt"
+    one.write_text("a", encoding="utf-8")
+    read = json_out(invoke("summarize", one, "--model", model, "--budget", "1", *GEN, "--json"))
+    assert read["document"]["tokens"] == 1, "one byte is one token of the tiny tokenizer"
+    line = invoke("compress", one, "-o", tmp_path / "one.kvc", "--model", model, "--budget", "1")
+    assert_ok(line)
+    assert line.stdout.startswith(f"wrote {tmp_path / 'one.kvc'}: 1 document token + ")
+    assert "-> 1 entry per head (kl," in line.stdout
+    estimated = invoke("summarize", one, "--model", model, "--budget", "1", *GEN, "--estimate")
+    assert "note: kept 1 entry per KV head; estimated drift" in estimated.stderr
