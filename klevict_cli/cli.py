@@ -106,8 +106,8 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, auto.")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed for sampling and seeded policies (0 to 2^64-1; "
                                               "default 0: the same sampled answer each run unless it changes).")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core; fewer "
-                                                "when other work shares the machine).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads, 1 to 1024 (default: one per "
+                                                "core; give fewer when other work shares the machine).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default), or 0.01 to 100.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling mass when --temperature > 0.")]

@@ -1325,6 +1325,13 @@ def test_the_method_names_checked_without_importing_the_policies_are_the_policie
     assert sorted(cli.METHOD_NAMES) == sorted(POLICIES)
 
 
+@pytest.mark.parametrize("command", ["summarize", "compress", "ask", "bench"])
+def test_threads_help_gives_the_range_and_says_fewer_is_the_users_choice(command):
+    """It read "default: one per core; fewer when other work shares the machine", as if the default chose fewer."""
+    text = " ".join(invoke(command, "--help").stdout.split())
+    assert f"CPU threads, 1 to {cli.MAX_THREADS} (default: one per core; give fewer when" in text
+
+
 def test_no_arguments_shows_help():
     result = invoke()
     assert "summarize" in result.stdout + result.stderr
