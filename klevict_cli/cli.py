@@ -37,7 +37,7 @@ from klevict_cli.files import (
 from klevict_cli.options import (
     DTYPE_CHOICES, MAX_COUNT, PROBE_DTYPE_CHOICES, TYPE_NAMES, TYPED, check_choice, check_int_range,
     check_positive_int, check_real, load_config, merge_options, parse_budget, parse_byte_limit, parse_size,
-    parse_working_limit, resolve_device, resolve_dtype,
+    parse_working_limit, resolve_device, resolve_dtype, typed,
 )
 from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
 
@@ -253,15 +253,15 @@ def _remember_typed() -> None:
         if not (texts and self.name
                 and ctx.get_parameter_source(self.name) == click.core.ParameterSource.COMMANDLINE):
             return plain(self, ctx, value)
-        typed = ctx.meta.setdefault(TYPED, {})
+        seen = ctx.meta.setdefault(TYPED, {})
         if "" in texts:
-            typed[self.name] = ("", None)
+            seen[self.name] = ("", None)
             raise click.exceptions.BadParameter("empty", ctx=ctx, param=self)
         if not isinstance(value, str):
             return plain(self, ctx, value)
-        typed[self.name] = (value, None)
+        seen[self.name] = (value, None)
         parsed = plain(self, ctx, value)
-        typed[self.name] = (value, parsed)
+        seen[self.name] = (value, parsed)
         return parsed
 
     parameter.process_value = process_value
@@ -407,7 +407,7 @@ def beyond_tolerance(result, max_kl: float | None) -> list[str]:
     drift = result.stream.drift
     if max_kl is None or drift is None or drift["kl"] <= float(max_kl):
         return []
-    return [f"no cache within the budget meets --max-kl {max_kl}: kept the largest, {result.kept_budget} entries per"
+    return [f"no cache within the budget meets --max-kl {typed('max_kl', max_kl)}: kept the largest, {result.kept_budget} entries per"
             f" KV head, estimated drift {drift['kl']:.3g}"]
 
 

@@ -1441,6 +1441,9 @@ def test_a_tolerance_no_cache_meets_is_said(doc, model, tmp_path):
                     "40", *FAST, "--json")
     assert "no cache within the budget meets --max-kl 1e-12" in result.stderr
     assert json_out(result)["kept_budget"] == 40
+    typed = invoke("compress", doc, "-o", tmp_path / "a.kvc", "--model", model, "--max-kl", "0.000000000001",
+                   "--budget", "40", *FAST)
+    assert "meets --max-kl 0.000000000001:" in typed.stderr  # as typed, not as the float prints (1e-12)
     assert_error(invoke("compress", doc, "-o", tmp_path / "b.kvc", "--model", model, "--max-kl", "0.01",
                         "--method", "none", *FAST), 2, "--max-kl", "--method none")
 
