@@ -218,6 +218,18 @@ def fidelity_windows(session, doc_ids: list[int], context: int, continuation: in
     return [(o, doc_ids[o : o + body], doc_ids[o + body : o + body + continuation]) for o in offsets]
 
 
+def crowded(offsets: list[int], n_tokens: int, span: int) -> list[str]:
+    """Windows drawn over one another because the text has no room for them apart (draw_offsets): said before they are
+    measured, as the intervals over windows count them as independent and come out too narrow."""
+    overlapping = sum(any(abs(offset - other) < span for other in offsets[:i]) for i, offset in enumerate(offsets))
+    if not overlapping:
+        return []
+    return [f"{overlapping} of the {len(offsets)} windows {'overlaps' if overlapping == 1 else 'overlap'} an earlier"
+            f" one: the document's {n_tokens:,} tokens hold {n_tokens // span} apart ({span:,} tokens each), and the"
+            " intervals over windows count them as independent, so they are too narrow (lower --windows or"
+            " --context, or give a longer document)"]
+
+
 def make_facts(rng: random.Random, count: int) -> list[Fact]:
     pairs = rng.sample([(a, b) for a in ADJECTIVES for b in ANIMALS], count)
     numbers = rng.sample(range(1000, 10000), count)
@@ -364,11 +376,14 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
 
 
 def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,
-                 publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None) -> dict:
+                 publish: Callable[[dict], None] = lambda block: None, previous: dict | None = None,
+                 note: Callable[[str], None] = lambda line: None) -> dict:
     prefix = session.frame.prefix_ids(session.lm.tokenizer)  # the chat frame's opening, read before each window
     windows = fidelity_windows(session, doc_ids, settings.context, settings.continuation, settings.windows,
                                settings.seed)
     offsets = [offset for offset, _, _ in windows]
+    for line in crowded(offsets, len(doc_ids), len(windows[0][1]) + settings.continuation):
+        note(line)
     stored_as = settings.cache_dtypes or [None]  # None: the cache as read (or as a byte limit chose to store it)
     labels = list(dict.fromkeys(label for _, label in reads))
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
@@ -521,11 +536,13 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
 
 
 def run_bench(session, document, settings: BenchSettings, progress: Progress | None = None,
-              checkpoint: Callable[[dict], None] | None = None, resume: dict | None = None) -> dict:
+              checkpoint: Callable[[dict], None] | None = None, resume: dict | None = None,
+              note: Callable[[str], None] = lambda line: None) -> dict:
     """Run the benchmark on a loaded `Session` and a `Document`; returns every raw number and the settings.
     `checkpoint`, when given, receives the result so far after every window ("complete": false until the end), so a
     long run that is stopped keeps what it measured; `resume` is such a saved result, whose windows are kept and not
-    measured again (its settings must be this run's, but for the number of windows)."""
+    measured again (its settings must be this run's, but for the number of windows). `note` receives what the user
+    should know before the windows are measured (windows that overlap)."""
     if settings.task not in TASKS:
         raise UsageError(f"invalid --task '{settings.task}'; choose from: {', '.join(TASKS)}")
     budgets: dict[str, int | None] = {str(b): min(b.resolve(settings.context), settings.context)
@@ -582,7 +599,7 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
     reference, reads = _reads(settings, budgets)
     if "fidelity" in tasks:
         out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, reads, tick, publisher("fidelity"),
-                                       (resume or {}).get("fidelity"))
+                                       (resume or {}).get("fidelity"), note)
     for task in ("needle", "recall"):
         if task in tasks:
             out[task] = run_needle(session, doc_ids, settings, reference, reads, tick, task, publisher(task),

@@ -964,7 +964,7 @@ def bench(
                            lambda done, total, label: bar.update(job, completed=done, total=total,
                                                                  description=shown(label)),
                            checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None,
-                           resume=saved)
+                           resume=saved, note=lambda line: note(opts, f"note: {line}"))
     if opts["json"]:
         emit_json(result)
     else:

@@ -15,6 +15,7 @@ from klevict_cli.bench import (
     BenchSettings,
     Fact,
     clear_offsets,
+    crowded,
     draw_offsets,
     insert_facts,
     make_facts,
@@ -28,6 +29,7 @@ from klevict_cli.bench import (
 )
 from klevict_cli.cli import app
 from klevict_cli.documents import Document
+from klevict_cli.prompts import encode_text
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.policies import POLICIES
 from tests.conftest import CORPUS, tiny_session
@@ -217,6 +219,29 @@ def test_bench_refuses_windows_that_do_not_fit(session, document):
         run_bench(session, document, BenchSettings(**{**SETTINGS, "context": 100_000, "task": "fidelity"}))
     with pytest.raises(UsageError, match="the document has [0-9]+ tokens"):
         run_bench(session, Document("Call me Ishmael.", "short.txt", "0"), BenchSettings(**SETTINGS))
+
+
+def test_windows_that_overlap_are_said_before_they_are_measured(session, document):
+    """The text holds fewer windows apart than --windows asks: they are drawn over one another (draw_offsets), and
+    the intervals, which count windows as independent, come out too narrow; the user is told before the run."""
+    assert crowded([0, 100, 300], 600, 100) == []
+    assert crowded([0, 50, 300], 400, 100) == [
+        "1 of the 3 windows overlaps an earlier one: the document's 400 tokens hold 4 apart (100 tokens each), and the"
+        " intervals over windows count them as independent, so they are too narrow (lower --windows or --context, or"
+        " give a longer document)"]
+    lines: list[str] = []
+    short = Document(" ".join(CORPUS * 2), "short.txt", "0" * 64)
+    n_tokens = len(encode_text(session.lm.tokenizer, short.text))
+    frame = len(session.frame.prefix_ids(session.lm.tokenizer))
+    wide = n_tokens // 2 + frame  # with the continuation, two such windows cannot lie apart
+    run_bench(session, short, BenchSettings(**{**SETTINGS, "methods": ["streaming"], "budgets": ["50%"],
+                                               "windows": 3, "context": wide, "task": "fidelity"}),
+              note=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("2 of the 3 windows overlap an earlier one")
+    lines.clear()
+    run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["streaming"], "budgets": ["50%"],
+                                                  "windows": 2, "task": "fidelity"}), note=lines.append)
+    assert lines == []
 
 
 def test_bench_refuses_a_context_the_chat_frame_fills(session, document):
