@@ -255,6 +255,13 @@ class _Tally:
             self.offset += len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogateescape"))
 
 
+def _nul_byte(name: str, offset: int) -> DocumentError:
+    """A NUL byte: binary, or a .kvc cache given for a document (`klevict summarize report.kvc`), said as such."""
+    if name.lower().endswith(".kvc"):
+        return DocumentError(f"{name}: is a .kvc cache, not a document; ask it with klevict ask {name} QUESTION")
+    return DocumentError(f"{name}: looks like a binary file, not text (a NUL byte at offset {offset})")
+
+
 def _binary(bad: int, controls: int, chars: int) -> bool:
     return bad > 0 and controls > CONTROL_SHARE * chars and bad + controls > BINARY_SHARE * chars
 
@@ -265,7 +272,7 @@ def _decode_utf8(name: str, chunks: Iterator[bytes]) -> tuple[str, tuple[str, ..
     for chunk in chunks:
         nul = chunk.find(0)
         if nul >= 0:
-            raise DocumentError(f"{name}: looks like a binary file, not text (a NUL byte at offset {offset + nul})")
+            raise _nul_byte(name, offset + nul)
         if offset == 0 and chunk.startswith(codecs.BOM_UTF8):
             tally.offset = len(codecs.BOM_UTF8)
         offset += len(chunk)
@@ -384,7 +391,7 @@ def _checked_chunks(name: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
     for chunk in itertools.chain([first], chunks):
         nul = -1 if binary_ok else chunk.find(0)
         if nul >= 0:
-            raise DocumentError(f"{name}: looks like a binary file, not text (a NUL byte at offset {offset + nul})")
+            raise _nul_byte(name, offset + nul)
         offset += len(chunk)
         yield chunk
 

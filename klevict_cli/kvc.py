@@ -351,6 +351,10 @@ def _header_length(path: Path, prefix: bytes, size: int) -> int:
     if size < 8 or len(prefix) < 8:
         raise _error(path, f"file is truncated or not a .kvc file (only {size} bytes)")
     length = int.from_bytes(prefix[:8], "little")
+    if length > MAX_HEADER_BYTES and all(32 <= b < 127 or b in b"\t\n\r" for b in prefix[:8]):
+        # a document given for a cache (`klevict ask report.pdf QUESTION`): its first characters read as a length
+        raise _error(path, f"not a .kvc file: it begins as text ('{prefix[:8].decode()}'), as a document does;"
+                           " klevict compress makes a cache of a document")
     if length > MAX_HEADER_BYTES:
         raise _error(path, f"not a .kvc file: header too large ({length} bytes)")
     if length > size - 8:

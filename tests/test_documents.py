@@ -108,6 +108,12 @@ def test_nul_byte_means_binary(tmp_path):
         ": looks like a binary file, not text (a NUL byte at offset 4)")
 
 
+def test_a_cache_given_for_a_document_is_said_to_be_one(tmp_path):
+    """`klevict summarize report.kvc` (meant ask): a cache, not "a binary file"."""
+    path = write(tmp_path, "report.kvc", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    assert error_of(path) == f"{path}: is a .kvc cache, not a document; ask it with klevict ask {path} QUESTION"
+
+
 def test_bytes_all_outside_utf8_without_control_characters_are_not_utf8_text(tmp_path):
     # no control character: as likely text in an 8-bit encoding (KOI8-R, CP1251: nearly every byte high) as binary
     path = write(tmp_path, "img.txt", bytes(range(0x80, 0x100)) * 4)

@@ -276,6 +276,14 @@ def test_giant_header_length(tmp_path):
     rejects(path, "header too large")
 
 
+def test_a_document_given_for_a_cache_is_said_to_begin_as_text(tmp_path):
+    """`klevict ask report.txt QUESTION` read its first characters as a header length: "header too large
+    (2340012980694967881 bytes)" told the user nothing."""
+    path = tmp_path / "report.txt"
+    path.write_text("If they but knew it, almost all men in their degree cherish the ocean.\n", encoding="utf-8")
+    rejects(path, "not a .kvc file: it begins as text ('If they '), as a document does; klevict compress makes")
+
+
 def peak_python_memory(fn) -> int:
     """Peak bytes Python allocated while `fn` ran (a whole-file read would show as one huge bytes object)."""
     tracemalloc.start()
