@@ -733,6 +733,7 @@ def ask(
     if any(str(path) == "-" for path in cache_files):  # a cache is checked whole before use: it must be a file
         raise UsageError("ask reads a cache from a file, not standard input (- is for the questions); save it with"
                          " compress -o FILE.kvc")
+    check_unquoted(cache_files, question)
     questions = _questions(opts, question)
     if len(cache_files) > 1 or cache_files[0].is_dir():
         ask_many(opts, cache_files, questions)
@@ -749,6 +750,17 @@ def ask(
     # --json lines carry the same fields whether one cache or many is asked (a script need not know which)
     answer_all(opts, session, stream, meta, questions, cache=str(cache_file), source=meta.get("source_name"),
                status="ok")
+
+
+def check_unquoted(caches: list[Path], question: str) -> None:
+    """`klevict ask doc.kvc What is it?`: the words of a question left unquoted are taken for caches, and all but the
+    last failed as missing files after the model had answered 'it?'. A missing argument not named .kvc is refused
+    first, with the quoted form."""
+    words = [path for path in caches[1:] if path.suffix.lower() != ".kvc" and not path.exists()]
+    if words and caches[0].exists():
+        asked = " ".join([*map(str, caches[caches.index(words[0]):]), question])
+        raise UsageError(f"{words[0]}: no such cache; a question of several words is one argument: klevict ask"
+                         f" {caches[0]} \"{asked}\"")
 
 
 def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:

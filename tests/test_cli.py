@@ -1554,3 +1554,11 @@ def test_compress_says_what_sliding_window_layers_keep(doc, tmp_path):
     plain = invoke("compress", doc, "-o", tmp_path / "l.kvc", "--model", save_model(tmp_path / "llama"), "--budget",
                    "8", *FAST, "--no-reconstruct")
     assert "-> 8 entries per head (kl," in plain.stdout
+
+
+def test_an_unquoted_question_is_refused_with_the_quoted_form(compressed, model, monkeypatch):
+    """`ask doc.kvc What is it?` took 'What' and 'is' for caches: it answered 'it?', then failed them (exit 8)."""
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded before the check"))
+    path = compressed[0]
+    assert_error(invoke("ask", path, "What", "is", "it?", "--model", model), 2,
+                 f"What: no such cache; a question of several words is one argument: klevict ask {path} \"What is it?\"")
