@@ -170,6 +170,11 @@ def token_metrics(full_logits: torch.Tensor, comp_logits: torch.Tensor, targets:
 
 
 # ---- windows and haystacks -------------------------------------------------------------------------------------
+def overlaps(offset: int, others: list[int], span: int) -> bool:
+    """Whether the window of `span` tokens at `offset` shares a token with one at any of `others`."""
+    return any(abs(offset - other) < span for other in others)
+
+
 def draw_offsets(n_tokens: int, span: int, count: int, rng: random.Random) -> list[int]:
     """`count` offsets drawn uniformly so that [offset, offset + span) fits in `n_tokens`. A window that would
     overlap one drawn before it is drawn again, uniformly from the places clear of them all (kept where it fell if
@@ -182,7 +187,7 @@ def draw_offsets(n_tokens: int, span: int, count: int, rng: random.Random) -> li
     offsets: list[int] = []
     for _ in range(count):
         offset = rng.randint(0, n_tokens - span)
-        if any(abs(offset - other) < span for other in offsets):
+        if overlaps(offset, offsets, span):
             clear = clear_offsets(n_tokens - span, span, offsets)
             room = sum(high - low + 1 for low, high in clear)
             if room:
@@ -221,7 +226,7 @@ def fidelity_windows(session, doc_ids: list[int], context: int, continuation: in
 def crowded(offsets: list[int], n_tokens: int, span: int) -> list[str]:
     """Windows drawn over one another because the text has no room for them apart (draw_offsets): said before they are
     measured, as the intervals over windows count them as independent and come out too narrow."""
-    overlapping = sum(any(abs(offset - other) < span for other in offsets[:i]) for i, offset in enumerate(offsets))
+    overlapping = sum(overlaps(offset, offsets[:i], span) for i, offset in enumerate(offsets))
     if not overlapping:
         return []
     return [f"{overlapping} of the {len(offsets)} windows {'overlaps' if overlapping == 1 else 'overlap'} an earlier"

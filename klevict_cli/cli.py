@@ -407,8 +407,8 @@ def beyond_tolerance(result, max_kl: float | None) -> list[str]:
     drift = result.stream.drift
     if max_kl is None or drift is None or drift["kl"] <= float(max_kl):
         return []
-    return [f"no cache within the budget meets --max-kl {typed('max_kl', max_kl)}: kept the largest, {result.kept_budget} entries per"
-            f" KV head, estimated drift {drift['kl']:.3g}"]
+    return [f"no cache within the budget meets --max-kl {typed('max_kl', max_kl)}: kept the largest,"
+            f" {result.kept_budget} entries per KV head, estimated drift {drift['kl']:.3g}"]
 
 
 def below_floor(result) -> list[str]:
@@ -584,10 +584,9 @@ def compress(
 
     opts = resolve_options(config, model=model, budget=budget, method=method, chunk_size=chunk_size, device=device,
                            dtype=dtype, seed=seed, threads=threads, position_mode=position_mode,
-                           probe_window=probe_window,
-                           cache_dtype=cache_dtype, max_bytes=max_bytes, json=json_out, quiet=quiet, output=output,
-                           max_memory=max_memory, working_limit=working_limit, reconstruct=reconstruct,
-                           max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
+                           probe_window=probe_window, cache_dtype=cache_dtype, max_bytes=max_bytes, json=json_out,
+                           quiet=quiet, output=output, max_memory=max_memory, working_limit=working_limit,
+                           reconstruct=reconstruct, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_choice("engine", engine, ("local", "ray"))
     if workers is not None:
         check_positive_int("workers", workers)
@@ -726,9 +725,8 @@ def ask(
 ):
     """Answer questions from a compressed cache, without re-reading the document."""
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, threads=threads,
-                           max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
-                           no_repeat=no_repeat, json=json_out, quiet=quiet)
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           repetition_penalty=repetition_penalty, no_repeat=no_repeat, json=json_out, quiet=quiet)
     check_answer_length(opts)
     if any(str(path) == "-" for path in cache_files):  # a cache is checked whole before use: it must be a file
         raise UsageError("ask reads a cache from a file, not standard input (- is for the questions); save it with"
