@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -238,6 +239,9 @@ def _not_parsed(error, ctx) -> str | None:
     return f"invalid {param.opts[0]} '{text}'; must be {kind}"
 
 
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")  # what an integer option takes: digits, as a config's integer keys
+
+
 def _remember_typed() -> None:
     """Keep each option's text as typed (options.TYPED), for messages that quote it: click keeps only the value
     parsed from it, and `-1.0` or `1000.0` is not what the user wrote (`-1`, `1e3`). An empty value is refused here,
@@ -260,6 +264,8 @@ def _remember_typed() -> None:
         if not isinstance(value, str):
             return plain(self, ctx, value)
         seen[self.name] = (value, None)
+        if getattr(getattr(self, "type_descriptor", None), "annotation", None) is int and not _INTEGER.fullmatch(value):
+            raise click.exceptions.BadParameter("not an integer", ctx=ctx, param=self)  # `2.0`, `1_000`: as a config
         parsed = plain(self, ctx, value)
         seen[self.name] = (value, parsed)
         return parsed

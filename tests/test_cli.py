@@ -1095,7 +1095,9 @@ def test_numeric_options_out_of_range_fail_before_the_model_loads(doc, model, mo
      (["--temperature", "abc"], "error: invalid --temperature 'abc'; must be a number"),
      (["--seed", "x"], "error: invalid --seed 'x'; must be an integer"),
      (["--max-new-tokens", "1.5"], "error: invalid --max-new-tokens '1.5'; must be an integer"),
-     (["-t", "two"], "error: invalid --threads 'two'; must be an integer")],
+     (["-t", "two"], "error: invalid --threads 'two'; must be an integer"),
+     (["--max-new-tokens", "2.0"], "error: invalid --max-new-tokens '2.0'; must be an integer"),
+     (["--seed", "1_000"], "error: invalid --seed '1_000'; must be an integer")],
 )
 def test_a_bad_number_is_quoted_as_typed_in_klevicts_words(doc, model, args, line):
     """The value the user wrote, not the one parsed from it ('-1', not '-1.0'), and one wording for a value out of
@@ -1107,10 +1109,19 @@ def test_a_bad_number_is_quoted_as_typed_in_klevicts_words(doc, model, args, lin
     ("args", "line"),
     [(["--working", "0.5"], "error: invalid --working '0.5'; it must be a multiple of the budget, at least 1"),
      (["--max-kl", "0.01, -1"], "error: invalid --max-kl '-1'; it must be a positive number of nats per token"),
-     (["--windows", "two"], "error: invalid --windows 'two'; must be an integer")],
+     (["--windows", "two"], "error: invalid --windows 'two'; must be an integer"),
+     (["--windows", "2.0"], "error: invalid --windows '2.0'; must be an integer")],
 )
 def test_bench_quotes_a_bad_number_as_typed(doc, model, args, line):
     assert assert_error(invoke("bench", doc, "--model", model, *args), 2) == line
+
+
+def test_an_integer_option_takes_digits_as_a_config_does(doc, model, monkeypatch):
+    """`2.0` and `1_000` are refused on the command line as in a config (typer's parser took them); a sign and the
+    spaces around the digits are not."""
+    monkeypatch.setattr(cli, "session_for", lambda opts: pytest.fail("the model was loaded"))
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, "--seed", " +7 ", "--threads", "0"), 2,
+                 "invalid --threads '0'")
 
 
 def test_a_config_files_whole_number_is_quoted_without_a_decimal_point(doc, model, tmp_path):
