@@ -291,8 +291,9 @@ def protocol(result: dict) -> tuple:
 
 def headline_choice(results: dict[Path, dict]) -> list[Path]:
     """The fidelity results with kl and the most methods, measured the same way (`protocol`), all of them: on
-    different texts they are pooled (`pool`). Ties go to the most windows, then the latest names. The length sweep's
-    files have a table of their own (`length_table`)."""
+    different texts they are pooled (`pool`). Ties go to the most windows, then to the latest run (a rerun on fresh
+    windows supersedes the one it repeats), then the latest names. The length sweep's files have a table of their
+    own (`length_table`)."""
     sweep = {p for paths in length_groups(results).values() for p in paths}
     usable = [p for p, r in results.items() if "fidelity" in r and SUBJECT in r["fidelity"]["results"]
               and peers(r["fidelity"]["results"]) and p not in sweep]
@@ -303,7 +304,9 @@ def headline_choice(results: dict[Path, dict]) -> list[Path]:
         return []
     return max(groups.values(), key=lambda ps: (len(protocol(results[ps[0]])[0]),
                                                 sum(len(results[p]["fidelity"]["full"]["per_window"]["seconds"])
-                                                    for p in ps), [p.name for p in ps]))
+                                                    for p in ps),
+                                                max(results[p]["settings"].get("created", "") for p in ps),
+                                                [p.name for p in ps]))
 
 
 def pool(parts: list[dict]) -> dict:

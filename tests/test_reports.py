@@ -128,6 +128,18 @@ def test_the_headline_pools_the_same_measurement_on_several_texts(tmp_path, resu
     assert len(results.headline_choice({Path("a.json"): result, Path("b.json"): changed})) == 1
 
 
+def test_the_headline_goes_to_the_latest_of_two_equal_runs(result):
+    """Two runs of the same comparison on as many windows (another seed's): the later one is the headline, whatever
+    the files' names."""
+    rerun = json.loads(json.dumps(result))
+    rerun["settings"]["seed"] = 11
+    rerun["settings"]["created"] = "2999-01-01T00:00:00+00:00"
+    found = {Path("z-first.json"): result, Path("a-rerun.json"): rerun}
+    assert results.headline_choice(found) == [Path("a-rerun.json")]
+    rerun["settings"]["created"] = "1999-01-01T00:00:00+00:00"
+    assert results.headline_choice(found) == [Path("z-first.json")]
+
+
 def test_check_fails_when_a_result_changes(tmp_path, result):
     root = tree(tmp_path, {"tiny.json": result})
     assert make_tables.main(["--root", str(root)]) == 0
