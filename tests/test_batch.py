@@ -268,6 +268,18 @@ def test_batch_usage_errors(corpus, model, extra, needle, tmp_path, monkeypatch)
     assert_error(invoke(*args, *extra), 2, needle)
 
 
+def test_a_file_given_as_outdir_is_refused_as_not_a_folder(corpus, tmp_path, monkeypatch):
+    """`-o notes.txt/` (an existing file, or a device, with a slash) was read as a folder, and the batch failed on
+    "notes.txt/manifest.jsonl: cannot read it (Not a directory)"; a folder below a file cannot be created."""
+    monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine", encoding="utf-8")
+    doc = corpus / "doc0.txt"
+    assert_error(invoke("compress", doc, "-o", f"{notes}/"), 2, f"-o {notes}/ is a file, not a folder")
+    assert_error(invoke("compress", doc, "-o", f"{notes}/sub/"), 7, "cannot create the folder (Not a directory)")
+    assert notes.read_text(encoding="utf-8") == "mine"
+
+
 def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
     assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,
