@@ -5,6 +5,7 @@ Where a headless Chromium is installed, the page is also rendered and its DOM re
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -105,6 +106,14 @@ def test_a_browser_renders_every_token_and_a_screenshot(kvc_path, tmp_path):
     subprocess.run([*browser, "--window-size=1000,1200", f"--screenshot={shot}", out.as_uri()], capture_output=True,
                    timeout=120)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_the_legend_keeps_each_range_on_one_line(kvc_path, tmp_path):
+    """At 1,400 pixels the legend wrapped inside a chip ('40–50' at a line's end, '%' on the next)."""
+    out = tmp_path / "page.html"
+    assert_ok(invoke("inspect", kvc_path, "--html", out))
+    rule = re.search(r"\.legend span \{([^}]*)\}", out.read_text(encoding="utf-8"))
+    assert rule and "white-space: nowrap" in rule[1]
 
 
 def test_page_loads_nothing_from_elsewhere(kvc_path, tmp_path):
