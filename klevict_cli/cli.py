@@ -976,6 +976,8 @@ def bench(
     if out_path is not None:
         check_destination(out_path, "--out", inputs=[file], replaces=("a bench result", is_json_file))
     saved = load_saved_bench(out_path) if resume else None
+    if out_path is not None and not resume:
+        refuse_stopped_run(out_path)
     if plot is not None:
         from klevict_cli.plots import check_plot_target
 
@@ -1028,6 +1030,22 @@ def load_saved_bench(path: Path | None) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"--resume: cannot read {path}: {exc.__class__.__name__}") from None
+
+
+def refuse_stopped_run(path: Path) -> None:
+    """A run without --resume replaces --out at its first window: where --out holds a stopped run (hours of windows,
+    perhaps), that is refused. A finished result, or a file that is no bench result, is replaced as asked."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if not isinstance(saved, dict) or saved.get("complete") is not False or not isinstance(saved.get("settings"), dict):
+        return
+    done = ", ".join(f"{task} {block['windows_done']}" for task, block in saved.items()
+                     if isinstance(block, dict) and isinstance(block.get("windows_done"), int)) or "none"
+    raise UsageError(f"--out {path} holds a stopped bench run (windows measured: {done} of"
+                     f" {saved['settings'].get('windows', '?')}), which this run would replace: add --resume to"
+                     " continue it, or remove the file or choose another --out to start afresh")
 
 
 def save_bench(partial: dict, path: Path) -> None:

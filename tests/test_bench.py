@@ -439,3 +439,21 @@ def test_cli_resume_needs_out_and_a_readable_result(tiny_model_dir, tmp_path):
     broken.write_text("{not json")
     bad = runner.invoke(app, [*base, "--out", str(broken)], input=TEXT)
     assert bad.exit_code != 0 and bad.stderr.startswith("error: --resume") and broken.read_text() == "{not json"
+
+
+def test_a_run_without_resume_does_not_replace_a_stopped_run(tiny_model_dir, tmp_path):
+    """`bench --out F` run again without --resume replaced F at its first window: the windows a stopped run had
+    measured were lost. Refused, before the model loads; a finished result is replaced as asked."""
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet"]
+    runner = CliRunner()
+    stopped = tmp_path / "run.json"
+    text = json.dumps({"settings": {"windows": 8}, "complete": False, "fidelity": {"windows_done": 3}})
+    stopped.write_text(text)
+    refused = runner.invoke(app, [*base, "--out", str(stopped)], input=TEXT)
+    assert refused.exit_code == 2 and stopped.read_text() == text
+    assert refused.stderr.startswith("error: --out") and "(windows measured: fidelity 3 of 8)" in refused.stderr
+    assert "--resume" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    stopped.write_text(text.replace("false", "true"))
+    replaced = runner.invoke(app, [*base, "--out", str(stopped)], input=TEXT)
+    assert replaced.exit_code == 0 and json.loads(stopped.read_text())["fidelity"]["windows_done"] == 1
