@@ -782,18 +782,18 @@ def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **
 
 
 def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
-    """The same questions to every cache, with one model load. A cache that cannot be used is reported (an error
-    line, or a JSON line with status failed) and the others are still answered; then the exit code is 8."""
+    """The same questions to every cache, each answered by the model that made it (one load per model: a folder may
+    hold caches of two models), or all by --model. A cache that cannot be used is reported (an error line, or a JSON
+    line with status failed) and the others are still answered; then the exit code is 8."""
     from klevict_cli.batch import EXIT_SOME_FAILED, cache_paths
 
     caches = cache_paths(paths)
-    if opts["model"] is None:
-        opts["model"] = first_model(caches)
-    session = session_for(opts)
+    sessions = {} if opts["model"] is None else {opts["model"]: session_for(opts)}  # --model: loaded up front
     failures = answered = 0
     for path in caches:
         source = None
         try:
+            session = model_session(sessions, opts, opts["model"] or model_of(path))
             stream, meta = session.load(path)
             source = meta.get("source_name")
             if not opts["json"]:  # a blank line between caches' answers, none before the first printed
@@ -811,15 +811,16 @@ def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
         raise typer.Exit(EXIT_SOME_FAILED)
 
 
-def first_model(caches: list[Path]) -> str:
-    """The model that made the first cache that names a usable one (the others must match it)."""
-    first_error = None
-    for path in caches:
+def model_session(sessions: dict, opts: dict, model: str):
+    """`model`'s session from `sessions`, loaded on first use; a model that failed to load fails again at once."""
+    if model not in sessions:
         try:
-            return model_of(path)
+            sessions[model] = session_for({**opts, "model": model})
         except KlevictError as exc:
-            first_error = first_error or exc
-    raise first_error
+            sessions[model] = exc
+    if isinstance(sessions[model], KlevictError):
+        raise sessions[model]
+    return sessions[model]
 
 
 def model_of(cache_file: Path) -> str:
