@@ -109,7 +109,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
         return None
     match = re.fullmatch(r"([0-9]{1,6})/([0-9]{1,6})", text.strip())
     if not match or int(match[2]) < 1 or int(match[1]) >= int(match[2]):
-        raise UsageError(f"invalid --shard {text!r}; give i/n with i from 0 to n-1, e.g. 0/4")
+        raise UsageError(f"invalid --shard {text!r}; give i/n with n from 1 to 999999 and i from 0 to n-1, e.g. 0/4")
     return int(match[1]), int(match[2])
 
 

@@ -645,7 +645,12 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
     shard_ = batch.parse_shard(shard)
     folder = batch.output_folder(inputs, opts.get("output"))
-    sources = batch.plan_sources(batch.expand_inputs(inputs), shard_, folder)
+    paths = batch.expand_inputs(inputs)
+    sources = batch.plan_sources(paths, shard_, folder)
+    if shard_ is not None and not sources:  # "0 compressed, 0 already done, 0 failed" alone reads like a fault
+        taken = counted(len(paths), "document", "documents")
+        note(opts, f"note: shard {shard_[0]}/{shard_[1]} takes none of the {taken} given (each goes to the shard its"
+                   " sha256 chooses)")
     batch.prepare_folder(folder)
     with progress_bar(opts["quiet"], unit="documents") as bar:
         docs = bar.add_task("documents", total=len(sources))

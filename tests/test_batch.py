@@ -280,6 +280,18 @@ def test_a_file_given_as_outdir_is_refused_as_not_a_folder(corpus, tmp_path, mon
     assert notes.read_text(encoding="utf-8") == "mine"
 
 
+def test_an_empty_shard_says_so(corpus, tmp_path, monkeypatch):
+    """A shard that takes none of the documents printed "0 compressed, 0 already done, 0 failed" alone."""
+    monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
+    doc = corpus / "doc0.txt"
+    other = next(i for i in range(2) if not in_shard(hashlib.sha256(doc.read_bytes()).hexdigest(), (i, 2)))
+    result = invoke("compress", doc, "-o", f"{tmp_path}/out/", "--shard", f"{other}/2")
+    assert_ok(result)
+    assert f"note: shard {other}/2 takes none of the 1 document given" in result.stderr
+    assert result.stdout.startswith("0 compressed, 0 already done, 0 failed")
+    assert_error(invoke("compress", doc, "-o", f"{tmp_path}/out/", "--shard", "0/1000000"), 2, "999999")
+
+
 def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
     assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,
