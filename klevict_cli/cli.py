@@ -32,6 +32,7 @@ from klevict_cli.files import (
     is_html_file,
     is_json_file,
     is_stdout,
+    same_file,
     silence_stdout,
     write_stdout,
 )
@@ -989,6 +990,8 @@ def bench(
 
         check_plot_target(plot)
         check_destination(plot, "--plot", inputs=[file] + ([out_path] if out_path else []))
+        if out_path is not None and same_file(plot, out_path):  # neither written yet: the plot replaced the result
+            raise UsageError(f"--plot {plot} and --out {out_path} name one file; give each its own")
     document = load_document(file)
     session = session_for(opts)
     with progress_bar(opts["quiet"], unit="steps") as bar:

@@ -127,7 +127,7 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{shown} is a directory{folder_hint}")
     for source in inputs:
-        if mode is not None and str(source) != "-" and _same_file(path, Path(source)):
+        if mode is not None and str(source) != "-" and same_file(path, Path(source)):
             raise UsageError(f"{shown} is the input {source}; choose another output path")
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
@@ -168,11 +168,13 @@ def is_json_file(path: Path) -> bool:
     return path.suffix.lower() == ".json" or _starts_with(path, b"{")
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file: the same file where both exist, else the same path once links are resolved
+    (two outputs of one command, neither written yet)."""
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return False
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def target_of(path: Path) -> Path:

@@ -457,3 +457,14 @@ def test_a_run_without_resume_does_not_replace_a_stopped_run(tiny_model_dir, tmp
     stopped.write_text(text.replace("false", "true"))
     replaced = runner.invoke(app, [*base, "--out", str(stopped)], input=TEXT)
     assert replaced.exit_code == 0 and json.loads(stopped.read_text())["fidelity"]["windows_done"] == 1
+
+
+def test_plot_and_out_naming_one_new_file_are_refused(tiny_model_dir, tmp_path):
+    """`--out r.svg --plot r.svg`: neither existed, both were accepted, and the plot replaced the result (exit 0)."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "r.svg"
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet"]
+    result = CliRunner().invoke(app, [*base, "--out", str(target), "--plot", str(tmp_path / "." / "r.svg")],
+                                input=TEXT)
+    assert result.exit_code == 2 and "name one file" in result.stderr and not target.exists()
