@@ -614,7 +614,7 @@ def compress(
         from klevict_cli.kvc import is_kvc_file
 
         check_destination(output, "-o", inputs=[file], folder_hint=f": give a .kvc file name, or {output}/ to write"
-                          " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file))
+                          " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file), takes_stdout=True)
     session, result = read_document(opts, file, reconstruct_default=True)
     from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
 

@@ -5,6 +5,7 @@ Where a headless Chromium is installed, the page is also rendered and its DOM re
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -144,3 +145,13 @@ def test_metadata_and_text_from_the_file_are_escaped(kvc_path, tmp_path):
 
 def test_html_into_a_missing_folder_fails_before_loading(kvc_path, tmp_path):
     assert_error(invoke("inspect", kvc_path, "--html", tmp_path / "no" / "page.html"), 7, "--html")
+
+
+def test_html_to_a_device_does_not_suggest_standard_output(kvc_path, tmp_path):
+    """`--html /dev/full` advised "or - for standard output", which --html refuses; compress -o takes it."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    line = assert_error(invoke("inspect", kvc_path, "--html", fifo), 7, "not a regular file")
+    assert "standard output" not in line
+    (tmp_path / "doc.txt").write_text(DOC_TEXT, encoding="utf-8")
+    assert_error(invoke("compress", tmp_path / "doc.txt", "-o", fifo), 7, "or - for standard output")
