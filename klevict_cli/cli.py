@@ -994,13 +994,25 @@ def bench(
             raise UsageError(f"--plot {plot} and --out {out_path} name one file; give each its own")
     document = load_document(file)
     session = session_for(opts)
+    kept: list[dict] = []  # the windows this run saved in --out, for what an interrupt says
+
+    def checkpoint(partial: dict) -> None:
+        if save_bench(partial, out_path):
+            kept[:] = [partial]
+
     with progress_bar(opts["quiet"], unit="steps") as bar:
         job = bar.add_task("bench", total=None)
-        result = run_bench(session, document, settings,
-                           lambda done, total, label: bar.update(job, completed=done, total=total,
-                                                                 description=shown(label)),
-                           checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None,
-                           resume=saved, note=lambda line: note(opts, f"note: {line}"))
+        try:
+            result = run_bench(session, document, settings,
+                               lambda done, total, label: bar.update(job, completed=done, total=total,
+                                                                     description=shown(label)),
+                               checkpoint=checkpoint if out_path else None, resume=saved,
+                               note=lambda line: note(opts, f"note: {line}"))
+        except (KeyboardInterrupt, Terminated):
+            if kept:  # the windows are not lost: said, with how to go on
+                note(opts, f"note: {out_path} keeps the windows measured so far ({windows_done(kept[0])} of"
+                           f" {settings.windows}); the same command with --resume continues")
+            raise
     if opts["json"]:
         emit_json(result)
     else:
@@ -1050,21 +1062,27 @@ def refuse_stopped_run(path: Path) -> None:
         return
     if not isinstance(saved, dict) or saved.get("complete") is not False or not isinstance(saved.get("settings"), dict):
         return
-    done = ", ".join(f"{task} {block['windows_done']}" for task, block in saved.items()
-                     if isinstance(block, dict) and isinstance(block.get("windows_done"), int)) or "none"
-    raise UsageError(f"--out {path} holds a stopped bench run (windows measured: {done} of"
+    raise UsageError(f"--out {path} holds a stopped bench run (windows measured: {windows_done(saved)} of"
                      f" {saved['settings'].get('windows', '?')}), which this run would replace: add --resume to"
                      " continue it, or remove the file or choose another --out to start afresh")
 
 
-def save_bench(partial: dict, path: Path) -> None:
-    """After each bench window: the results so far, quietly (a failure here surfaces at the final write)."""
+def windows_done(result: dict) -> str:
+    """How far a saved bench run got, per task: "fidelity 3" ("fidelity 8, needle 2")."""
+    return ", ".join(f"{task} {block['windows_done']}" for task, block in result.items()
+                     if isinstance(block, dict) and isinstance(block.get("windows_done"), int)) or "none"
+
+
+def save_bench(partial: dict, path: Path) -> bool:
+    """After each bench window: the results so far, quietly (a failure here surfaces at the final write); whether
+    they were saved."""
     from klevict_cli.files import write_atomically
 
     try:
         write_atomically(path, bench_json(partial))
     except OSError:
-        pass
+        return False
+    return True
 
 
 def write_output(opts: dict, flag: str, path: Path, blob: bytes) -> None:

@@ -468,3 +468,22 @@ def test_plot_and_out_naming_one_new_file_are_refused(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(app, [*base, "--out", str(target), "--plot", str(tmp_path / "." / "r.svg")],
                                 input=TEXT)
     assert result.exit_code == 2 and "name one file" in result.stderr and not target.exists()
+
+
+def test_an_interrupted_run_says_its_windows_are_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """Ctrl-C after some windows said only "interrupted": the saved windows, and --resume, went unmentioned."""
+    import klevict_cli.bench as bench_module
+
+    def stopped(session, document, settings, progress=None, checkpoint=None, resume=None, note=None):
+        checkpoint({"settings": {"windows": settings.windows}, "complete": False, "fidelity": {"windows_done": 1}})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_module, "run_bench", stopped)
+    out = tmp_path / "run.json"
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "3", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--out", str(out)]
+    result = CliRunner().invoke(app, base, input=TEXT)
+    assert result.exit_code == 130 and json.loads(out.read_text())["fidelity"]["windows_done"] == 1
+    assert result.stderr.splitlines() == [
+        f"note: {out} keeps the windows measured so far (fidelity 1 of 3); the same command with --resume continues",
+        "interrupted"]
