@@ -660,10 +660,14 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
         def on_tokens(path: str, done: int, total: int) -> None:
             bar.update(reading, completed=done, total=total, visible=True, description=f"reading {shown(path)}")
 
+        kept: list[dict] = []  # the caches in OUTDIR, for what an interrupt says
+
         def on_record(record: dict) -> None:
             bar.advance(docs)
             bar.update(reading, visible=False)
             report_record(opts, record)
+            if record["status"] != "failed":
+                kept.append(record)
 
         if engine == "ray":
             from klevict_cli.batch_ray import RayEngine
@@ -674,6 +678,11 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
             runner = batch.LocalEngine(opts, on_tokens)
         try:
             counts = batch.run_batch(sources, folder, runner, on_record)
+        except (KeyboardInterrupt, Terminated):
+            if kept:  # the caches written are not lost: said, with how to go on
+                note(opts, f"note: {folder} keeps the {counted(len(kept), 'cache', 'caches')} done of"
+                           f" {len(sources)}; the same command goes on from there")
+            raise
         finally:
             runner.close()
     summary = (f"{counts['ok']} compressed, {counts['skipped']} already done, {counts['failed']} failed;"

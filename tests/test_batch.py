@@ -292,6 +292,20 @@ def test_an_empty_shard_says_so(corpus, tmp_path, monkeypatch):
     assert_error(invoke("compress", doc, "-o", f"{tmp_path}/out/", "--shard", "0/1000000"), 2, "999999")
 
 
+def test_an_interrupted_batch_says_what_it_keeps(corpus, tmp_path, monkeypatch):
+    """Ctrl-C after some caches said only "interrupted": that they are kept, and a re-run goes on, went unsaid."""
+    def stopped(sources, folder, engine, on_record):
+        on_record({"status": "ok", "source": sources[0].path, "kvc": sources[0].kvc, "document_tokens": 9,
+                   "kept_entries": 9, "bytes": 9, "seconds": 0.1})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch, "run_batch", stopped)
+    result = invoke("compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", f"{tmp_path}/out/")
+    assert result.exit_code == 130, _show(result)
+    assert result.stderr.splitlines() == [
+        f"note: {tmp_path}/out keeps the 1 cache done of 2; the same command goes on from there", "interrupted"]
+
+
 def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
     assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,
