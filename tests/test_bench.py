@@ -366,11 +366,22 @@ def test_cli_bench_checks_where_it_will_write_before_measuring(tiny_model_dir, t
     assert folder.exit_code == 2 and "is a directory" in folder.stderr
 
 
-def test_recall_runs_when_a_window_states_no_detail_once(session, document):
-    """A window without a name or number stated once has no recall question; the task still reports the others."""
+def test_recall_leaves_out_a_window_that_asks_nothing(session, document):
+    """A window without a name or number stated once asks no recall question: it counted as 0 % (0 of 0) for the
+    full cache and every method, and the means fell with it. It is left out of the mean, the table says over how
+    many windows; a text whose windows ask nothing (`document`: every word repeats) is refused before any read."""
     settings = BenchSettings(**{**SETTINGS, "task": "recall", "methods": ["streaming"], "budgets": ["50%"]})
-    result = run_bench(session, document, settings)
-    assert "recall" in result and 0 <= result["recall"]["full"]["accuracy"]["mean"] <= 1
+    ahab = Document("The crew then met old Captain Ahab at noon. " + TEXT[:400], "ahab.txt", "0" * 64)
+    result = run_bench(session, ahab, settings)
+    recall = result["recall"]
+    assert [len(h["facts"]) for h in recall["haystacks"]] == [0, 1]
+    assert recall["full"]["per_window"]["accuracy"][0] is None and recall["full"]["accuracy"]["n"] == 1
+    assert recall["results"]["streaming"]["50%"]["accuracy"]["n"] == 1
+    console = Console(record=True, width=200)
+    render(result, console)
+    assert "exact-match accuracy, mean over 1 window (1 question)" in " ".join(console.export_text().split())
+    with pytest.raises(UsageError, match="nothing to ask; give a larger --context"):
+        run_bench(session, document, settings)
 
 
 def test_pick_recalls_finds_details_stated_once():
