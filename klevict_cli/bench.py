@@ -366,7 +366,10 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
     if not previous:
         return 0
     done = previous["windows_done"]
-    if previous[key][:done] != planned[:done] or done > len(planned):
+    if done > len(planned):  # a stopped run of more windows than asked now: its offsets agree as far as they go
+        raise UsageError(f"--resume: the saved run has measured {done} windows, more than --windows {len(planned)};"
+                         f" give --windows {done} or more")
+    if previous[key][:done] != planned[:done]:
         raise UsageError(f"--resume: the saved run's windows are not this run's first {done} ({key} differ)")
     for name, lists in previous["full"]["per_window"].items():
         full[name][:] = lists[:done]

@@ -440,6 +440,14 @@ def test_resume_refuses_a_run_that_measured_something_else(session, document, re
         run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["snapkv"]}), resume=saved)
 
 
+def test_resume_with_fewer_windows_than_a_stopped_run_measured_says_so(session, document, result):
+    """A stopped run with more windows measured than --windows now asks: "the saved run's windows are not this run's
+    first 2 (offsets differ)", though they agree as far as they go."""
+    stopped = {**json.loads(json.dumps(result)), "complete": False}
+    with pytest.raises(UsageError, match="has measured 2 windows, more than --windows 1; give --windows 2 or more"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "windows": 1}), resume=stopped)
+
+
 def test_cli_resume_needs_out_and_a_readable_result(tiny_model_dir, tmp_path):
     base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
             "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet", "--resume"]
