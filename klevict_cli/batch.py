@@ -92,11 +92,14 @@ def output_folder(inputs: list[str], output: str | None) -> Path:
     if output in ("-", "/dev/stdout"):
         raise UsageError("several documents cannot go to standard output; give a folder, e.g. -o caches/")
     path = Path(output)
-    if output.endswith(("/", os.sep)) or path.is_dir():
+    if path.is_dir():
         return path
-    if path.exists() or path.suffix.lower() == ".kvc":
-        raise UsageError(f"-o {output} is a file; a batch (several documents, --shard or --engine ray) writes into a"
-                         " folder (end it with /, e.g. -o caches/)")
+    if path.exists():  # with a trailing / too (notes.txt/, /dev/full/): no folder can be made there
+        raise UsageError(f"-o {output} is a file, not a folder; a batch (several documents, --shard or --engine ray)"
+                         " writes into a folder (e.g. -o caches/)")
+    if path.suffix.lower() == ".kvc" and not output.endswith(("/", os.sep)):
+        raise UsageError(f"-o {output} names a file; a batch (several documents, --shard or --engine ray) writes into"
+                         " a folder (end it with /, e.g. -o caches/)")
     return path
 
 
@@ -106,7 +109,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
         return None
     match = re.fullmatch(r"([0-9]{1,6})/([0-9]{1,6})", text.strip())
     if not match or int(match[2]) < 1 or int(match[1]) >= int(match[2]):
-        raise UsageError(f"invalid --shard {text!r}; give i/n with i from 0 to n-1, e.g. 0/4")
+        raise UsageError(f"invalid --shard {text!r}; give i/n with n from 1 to 999999 and i from 0 to n-1, e.g. 0/4")
     return int(match[1]), int(match[2])
 
 
@@ -328,10 +331,10 @@ def failed(source: Source, exc: Exception) -> dict:
 
 # ---- the driver ----------------------------------------------------------------------------------------------
 def manifest_text(path: Path) -> str:
-    """The manifest's text ('' where there is none yet)."""
+    """The manifest's text ('' where there is none yet, nor a folder for it: prepare_folder says why)."""
     try:
         return path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return ""
     except OSError as exc:
         raise OutputError(f"{path}: cannot read it ({exc.strerror or exc})") from None

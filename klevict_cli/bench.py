@@ -45,7 +45,7 @@ from klevict_kernels.kl import token_kl
 from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
-from klevict_cli.display import shown
+from klevict_cli.display import counted, shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import TOLERANCE_PREFIX, summary, windows_count, within_factor
 
@@ -366,7 +366,10 @@ def carry_over(previous: dict | None, full: dict, results: dict, planned: list, 
     if not previous:
         return 0
     done = previous["windows_done"]
-    if previous[key][:done] != planned[:done] or done > len(planned):
+    if done > len(planned):  # a stopped run of more windows than asked now: its offsets agree as far as they go
+        raise UsageError(f"--resume: the saved run has measured {done} windows, more than --windows {len(planned)};"
+                         f" give --windows {done} or more")
+    if previous[key][:done] != planned[:done]:
         raise UsageError(f"--resume: the saved run's windows are not this run's first {done} ({key} differ)")
     for name, lists in previous["full"]["per_window"].items():
         full[name][:] = lists[:done]
@@ -481,14 +484,29 @@ def answer(session, engine, stream, question: str, max_new: int, start: str = ""
     return (ended if ended is not None else session.lm.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
 
 
-def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, reads: dict, tick,
-               task: str = "needle", publish: Callable[[dict], None] = lambda block: None,
-               previous: dict | None = None) -> dict:
-    """Retrieval after compression: planted facts (`needle`) or details the text states once (`recall`)."""
+def share(correct: list[bool]) -> float | None:
+    """A window's accuracy; None where it asked nothing (a recall window that states no detail once), which the
+    mean over windows leaves out: 0 of 0 was counted as 0 %, for the full cache too."""
+    return sum(correct) / len(correct) if correct else None
+
+
+def build_haystacks(session, doc_ids: list[int], settings: BenchSettings, task: str) -> list[dict]:
+    """The windows of a retrieval task, each with its questions: planted facts (`needle`) or details the text states
+    once (`recall`), drawn from the seed. Refused where no window has a question, before any window is measured."""
     rng = random.Random(f"{task}:{settings.seed}")
-    labels = list(dict.fromkeys(label for _, label in reads))
     build = build_haystack if task == "needle" else build_recall
     haystacks = [build(session, doc_ids, settings, rng) for _ in range(settings.windows)]
+    if not any(h["facts"] for h in haystacks):  # recall: short windows may state no detail once
+        raise UsageError(f"--task {task}: no window of --context {settings.context} tokens states a detail only once"
+                         " (a capitalised word or a number), so there is nothing to ask; give a larger --context")
+    return haystacks
+
+
+def run_needle(session, haystacks: list[dict], settings: BenchSettings, reference, reads: dict, tick,
+               task: str = "needle", publish: Callable[[dict], None] = lambda block: None,
+               previous: dict | None = None) -> dict:
+    """Retrieval after compression on `haystacks` (`build_haystacks`)."""
+    labels = list(dict.fromkeys(label for _, label in reads))
     room = settings.answer_tokens + max(
         (len(session.frame.suffix_ids(session.lm.tokenizer, f.question) + encode_text(session.lm.tokenizer, f.start))
          for h in haystacks for f in h["facts"]), default=0)
@@ -527,14 +545,14 @@ def run_needle(session, doc_ids: list[int], settings: BenchSettings, reference, 
         texts, ok = score(reference, hay)
         full["answers"].append(texts)
         full["correct"].append(ok)
-        full["accuracy"].append(sum(ok) / max(1, len(ok)))
+        full["accuracy"].append(share(ok))
         tick(f"{task} {w + 1}/{len(haystacks)}: full cache")
         for (method, label), read in reads.items():
             texts, ok = score(read, hay)
             row = results[method][label]
             row["answers"].append(texts)
             row["correct"].append(ok)
-            row["accuracy"].append(sum(ok) / max(1, len(ok)))
+            row["accuracy"].append(share(ok))
             tick(f"{task} {w + 1}/{len(haystacks)}: {method} @ {label}")
         publish(block(w + 1))
     return block(len(haystacks))
@@ -602,12 +620,14 @@ def run_bench(session, document, settings: BenchSettings, progress: Progress | N
         return publish
 
     reference, reads = _reads(settings, budgets)
+    haystacks = {task: build_haystacks(session, doc_ids, settings, task) for task in ("needle", "recall")
+                 if task in tasks}
     if "fidelity" in tasks:
         out["fidelity"] = run_fidelity(session, doc_ids, settings, reference, reads, tick, publisher("fidelity"),
                                        (resume or {}).get("fidelity"), note)
     for task in ("needle", "recall"):
         if task in tasks:
-            out[task] = run_needle(session, doc_ids, settings, reference, reads, tick, task, publisher(task),
+            out[task] = run_needle(session, haystacks[task], settings, reference, reads, tick, task, publisher(task),
                                    (resume or {}).get(task))
     out["complete"] = True
     return out
@@ -721,9 +741,12 @@ def render(result: dict, console: Console) -> None:
         block = result.get(task)
         if block is None:
             continue
-        n = sum(len(h["facts"]) for h in block["haystacks"])
+        asked = [len(h["facts"]) for h in block["haystacks"][: block["windows_done"]]]
+        # the mean of each window's accuracy: recall's windows may ask different numbers of questions, so 58.3 %
+        # of "5 questions" (1/2 and 2/3) is no share of 5; said so
+        n, windows = counted(sum(asked), "question", "questions"), counted(sum(map(bool, asked)), "window", "windows")
         _method_table(console, block, labels, lambda row, _: f"{100 * row['accuracy']['mean']:.1f}%",
-                      f"{what}: exact-match accuracy ({n} questions)",
+                      f"{what}: exact-match accuracy, mean over {windows} ({n})",
                       f"full cache: {100 * block['full']['accuracy']['mean']:.1f}%; best per column in bold",
                       metric="accuracy")
 

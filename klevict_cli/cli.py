@@ -32,6 +32,7 @@ from klevict_cli.files import (
     is_html_file,
     is_json_file,
     is_stdout,
+    same_file,
     silence_stdout,
     write_stdout,
 )
@@ -613,7 +614,7 @@ def compress(
         from klevict_cli.kvc import is_kvc_file
 
         check_destination(output, "-o", inputs=[file], folder_hint=f": give a .kvc file name, or {output}/ to write"
-                          " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file))
+                          " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file), takes_stdout=True)
     session, result = read_document(opts, file, reconstruct_default=True)
     from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
 
@@ -645,7 +646,12 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
 
     shard_ = batch.parse_shard(shard)
     folder = batch.output_folder(inputs, opts.get("output"))
-    sources = batch.plan_sources(batch.expand_inputs(inputs), shard_, folder)
+    paths = batch.expand_inputs(inputs)
+    sources = batch.plan_sources(paths, shard_, folder)
+    if shard_ is not None and not sources:  # "0 compressed, 0 already done, 0 failed" alone reads like a fault
+        taken = counted(len(paths), "document", "documents")
+        note(opts, f"note: shard {shard_[0]}/{shard_[1]} takes none of the {taken} given (each goes to the shard its"
+                   " sha256 chooses)")
     batch.prepare_folder(folder)
     with progress_bar(opts["quiet"], unit="documents") as bar:
         docs = bar.add_task("documents", total=len(sources))
@@ -654,10 +660,14 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
         def on_tokens(path: str, done: int, total: int) -> None:
             bar.update(reading, completed=done, total=total, visible=True, description=f"reading {shown(path)}")
 
+        kept: list[dict] = []  # the caches in OUTDIR, for what an interrupt says
+
         def on_record(record: dict) -> None:
             bar.advance(docs)
             bar.update(reading, visible=False)
             report_record(opts, record)
+            if record["status"] != "failed":
+                kept.append(record)
 
         if engine == "ray":
             from klevict_cli.batch_ray import RayEngine
@@ -668,6 +678,11 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
             runner = batch.LocalEngine(opts, on_tokens)
         try:
             counts = batch.run_batch(sources, folder, runner, on_record)
+        except (KeyboardInterrupt, Terminated):
+            if kept:  # the caches written are not lost: said, with how to go on
+                note(opts, f"note: {folder} keeps the {counted(len(kept), 'cache', 'caches')} done of"
+                           f" {len(sources)}; the same command goes on from there")
+            raise
         finally:
             runner.close()
     summary = (f"{counts['ok']} compressed, {counts['skipped']} already done, {counts['failed']} failed;"
@@ -782,18 +797,18 @@ def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **
 
 
 def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
-    """The same questions to every cache, with one model load. A cache that cannot be used is reported (an error
-    line, or a JSON line with status failed) and the others are still answered; then the exit code is 8."""
+    """The same questions to every cache, each answered by the model that made it (one load per model: a folder may
+    hold caches of two models), or all by --model. A cache that cannot be used is reported (an error line, or a JSON
+    line with status failed) and the others are still answered; then the exit code is 8."""
     from klevict_cli.batch import EXIT_SOME_FAILED, cache_paths
 
     caches = cache_paths(paths)
-    if opts["model"] is None:
-        opts["model"] = first_model(caches)
-    session = session_for(opts)
+    sessions = {} if opts["model"] is None else {opts["model"]: session_for(opts)}  # --model: loaded up front
     failures = answered = 0
     for path in caches:
         source = None
         try:
+            session = model_session(sessions, opts, opts["model"] or model_of(path))
             stream, meta = session.load(path)
             source = meta.get("source_name")
             if not opts["json"]:  # a blank line between caches' answers, none before the first printed
@@ -811,15 +826,16 @@ def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
         raise typer.Exit(EXIT_SOME_FAILED)
 
 
-def first_model(caches: list[Path]) -> str:
-    """The model that made the first cache that names a usable one (the others must match it)."""
-    first_error = None
-    for path in caches:
+def model_session(sessions: dict, opts: dict, model: str):
+    """`model`'s session from `sessions`, loaded on first use; a model that failed to load fails again at once."""
+    if model not in sessions:
         try:
-            return model_of(path)
+            sessions[model] = session_for({**opts, "model": model})
         except KlevictError as exc:
-            first_error = first_error or exc
-    raise first_error
+            sessions[model] = exc
+    if isinstance(sessions[model], KlevictError):
+        raise sessions[model]
+    return sessions[model]
 
 
 def model_of(cache_file: Path) -> str:
@@ -976,20 +992,36 @@ def bench(
     if out_path is not None:
         check_destination(out_path, "--out", inputs=[file], replaces=("a bench result", is_json_file))
     saved = load_saved_bench(out_path) if resume else None
+    if out_path is not None and not resume:
+        refuse_stopped_run(out_path)
     if plot is not None:
         from klevict_cli.plots import check_plot_target
 
         check_plot_target(plot)
         check_destination(plot, "--plot", inputs=[file] + ([out_path] if out_path else []))
+        if out_path is not None and same_file(plot, out_path):  # neither written yet: the plot replaced the result
+            raise UsageError(f"--plot {plot} and --out {out_path} name one file; give each its own")
     document = load_document(file)
     session = session_for(opts)
+    kept: list[dict] = []  # the windows this run saved in --out, for what an interrupt says
+
+    def checkpoint(partial: dict) -> None:
+        if save_bench(partial, out_path):
+            kept[:] = [partial]
+
     with progress_bar(opts["quiet"], unit="steps") as bar:
         job = bar.add_task("bench", total=None)
-        result = run_bench(session, document, settings,
-                           lambda done, total, label: bar.update(job, completed=done, total=total,
-                                                                 description=shown(label)),
-                           checkpoint=(lambda partial: save_bench(partial, out_path)) if out_path else None,
-                           resume=saved, note=lambda line: note(opts, f"note: {line}"))
+        try:
+            result = run_bench(session, document, settings,
+                               lambda done, total, label: bar.update(job, completed=done, total=total,
+                                                                     description=shown(label)),
+                               checkpoint=checkpoint if out_path else None, resume=saved,
+                               note=lambda line: note(opts, f"note: {line}"))
+        except (KeyboardInterrupt, Terminated):
+            if kept:  # the windows are not lost: said, with how to go on
+                note(opts, f"note: {out_path} keeps the windows measured so far ({windows_done(kept[0])} of"
+                           f" {settings.windows}); the same command with --resume continues")
+            raise
     if opts["json"]:
         emit_json(result)
     else:
@@ -1030,14 +1062,36 @@ def load_saved_bench(path: Path | None) -> dict | None:
         raise UsageError(f"--resume: cannot read {path}: {exc.__class__.__name__}") from None
 
 
-def save_bench(partial: dict, path: Path) -> None:
-    """After each bench window: the results so far, quietly (a failure here surfaces at the final write)."""
+def refuse_stopped_run(path: Path) -> None:
+    """A run without --resume replaces --out at its first window: where --out holds a stopped run (hours of windows,
+    perhaps), that is refused. A finished result, or a file that is no bench result, is replaced as asked."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if not isinstance(saved, dict) or saved.get("complete") is not False or not isinstance(saved.get("settings"), dict):
+        return
+    raise UsageError(f"--out {path} holds a stopped bench run (windows measured: {windows_done(saved)} of"
+                     f" {saved['settings'].get('windows', '?')}), which this run would replace: add --resume to"
+                     " continue it, or remove the file or choose another --out to start afresh")
+
+
+def windows_done(result: dict) -> str:
+    """How far a saved bench run got, per task: "fidelity 3" ("fidelity 8, needle 2")."""
+    return ", ".join(f"{task} {block['windows_done']}" for task, block in result.items()
+                     if isinstance(block, dict) and isinstance(block.get("windows_done"), int)) or "none"
+
+
+def save_bench(partial: dict, path: Path) -> bool:
+    """After each bench window: the results so far, quietly (a failure here surfaces at the final write); whether
+    they were saved."""
     from klevict_cli.files import write_atomically
 
     try:
         write_atomically(path, bench_json(partial))
     except OSError:
-        pass
+        return False
+    return True
 
 
 def write_output(opts: dict, flag: str, path: Path, blob: bytes) -> None:

@@ -99,13 +99,14 @@ def silence_stdout() -> None:
 
 
 def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), folder_hint: str = "",
-                      replaces: tuple[str, Callable[[Path], bool]] | None = None) -> None:
+                      replaces: tuple[str, Callable[[Path], bool]] | None = None, takes_stdout: bool = False) -> None:
     """Refuse, before any long work, a target that `write_atomically` must not replace or could not create.
 
     One of the command's `inputs` (a document, a cache) is never replaced by its output, whatever the path names it.
     `folder_hint` ends the message for a directory (what the command would do with one instead). `replaces`: (what
     the output is, whether an existing file is one) — an existing file that is not is refused, not replaced: `-o
-    notes.md` meant for `notes.kvc` would otherwise destroy the notes.
+    notes.md` meant for `notes.kvc` would otherwise destroy the notes. `takes_stdout`: the command writes standard
+    output for `-` (compress -o), which a message about a device then suggests (--html and --out refuse `-`).
 
     The rules, one per kind of path: a symbolic link is followed, and the file it points to is what is written (the
     link stays); a directory is a bad option (`UsageError`); a device, FIFO or socket cannot be written as a file,
@@ -127,11 +128,11 @@ def check_destination(path: Path, flag: str, inputs: Sequence[str | Path] = (), 
     if mode is not None and stat.S_ISDIR(mode):
         raise UsageError(f"{shown} is a directory{folder_hint}")
     for source in inputs:
-        if mode is not None and str(source) != "-" and _same_file(path, Path(source)):
+        if mode is not None and str(source) != "-" and same_file(path, Path(source)):
             raise UsageError(f"{shown} is the input {source}; choose another output path")
     if mode is not None and not stat.S_ISREG(mode):
         raise OutputError(f"{shown}: cannot write it: not a regular file (a device, FIFO or socket); give a file"
-                          " name, or - for standard output")
+                          f" name{', or - for standard output' if takes_stdout else ''}")
     if found is not None and replaces is not None and found.st_size and not replaces[1](path):  # empty: free
         raise UsageError(f"{shown} exists and is not {replaces[0]}; klevict replaces only its own outputs: remove it"
                          " first or choose another name")
@@ -168,11 +169,13 @@ def is_json_file(path: Path) -> bool:
     return path.suffix.lower() == ".json" or _starts_with(path, b"{")
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file: the same file where both exist, else the same path once links are resolved
+    (two outputs of one command, neither written yet)."""
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return False
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def target_of(path: Path) -> Path:

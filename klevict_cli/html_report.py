@@ -24,7 +24,7 @@ table.layers td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .bar { background: #e8a33d; height: 0.9em; }
 .doc { white-space: pre-wrap; font: 13px/1.6 ui-monospace, monospace; border: 1px solid #ddd; padding: 1em; }
 .s0 { color: #aaa; }
-.legend span { padding: 0 0.4em; margin-right: 0.2em; }
+.legend span { padding: 0 0.4em; margin-right: 0.2em; white-space: nowrap; }  /* '40–50 %' not split at a line end */
 """ + "\n".join(f".s{k} {{ background: rgba(232, 140, 20, {k / SHADES:.1f}); }}" for k in range(1, SHADES + 1))
 
 

@@ -268,6 +268,44 @@ def test_batch_usage_errors(corpus, model, extra, needle, tmp_path, monkeypatch)
     assert_error(invoke(*args, *extra), 2, needle)
 
 
+def test_a_file_given_as_outdir_is_refused_as_not_a_folder(corpus, tmp_path, monkeypatch):
+    """`-o notes.txt/` (an existing file, or a device, with a slash) was read as a folder, and the batch failed on
+    "notes.txt/manifest.jsonl: cannot read it (Not a directory)"; a folder below a file cannot be created."""
+    monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine", encoding="utf-8")
+    doc = corpus / "doc0.txt"
+    assert_error(invoke("compress", doc, "-o", f"{notes}/"), 2, f"-o {notes}/ is a file, not a folder")
+    assert_error(invoke("compress", doc, "-o", f"{notes}/sub/"), 7, "cannot create the folder (Not a directory)")
+    assert notes.read_text(encoding="utf-8") == "mine"
+
+
+def test_an_empty_shard_says_so(corpus, tmp_path, monkeypatch):
+    """A shard that takes none of the documents printed "0 compressed, 0 already done, 0 failed" alone."""
+    monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
+    doc = corpus / "doc0.txt"
+    other = next(i for i in range(2) if not in_shard(hashlib.sha256(doc.read_bytes()).hexdigest(), (i, 2)))
+    result = invoke("compress", doc, "-o", f"{tmp_path}/out/", "--shard", f"{other}/2")
+    assert_ok(result)
+    assert f"note: shard {other}/2 takes none of the 1 document given" in result.stderr
+    assert result.stdout.startswith("0 compressed, 0 already done, 0 failed")
+    assert_error(invoke("compress", doc, "-o", f"{tmp_path}/out/", "--shard", "0/1000000"), 2, "999999")
+
+
+def test_an_interrupted_batch_says_what_it_keeps(corpus, tmp_path, monkeypatch):
+    """Ctrl-C after some caches said only "interrupted": that they are kept, and a re-run goes on, went unsaid."""
+    def stopped(sources, folder, engine, on_record):
+        on_record({"status": "ok", "source": sources[0].path, "kvc": sources[0].kvc, "document_tokens": 9,
+                   "kept_entries": 9, "bytes": 9, "seconds": 0.1})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch, "run_batch", stopped)
+    result = invoke("compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", f"{tmp_path}/out/")
+    assert result.exit_code == 130, _show(result)
+    assert result.stderr.splitlines() == [
+        f"note: {tmp_path}/out keeps the 1 cache done of 2; the same command goes on from there", "interrupted"]
+
+
 def test_a_glob_that_matches_nothing_fails_before_the_model_loads(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(reading, "_session", lambda *a: pytest.fail("the model was loaded"))
     assert_error(invoke("compress", corpus / "*.nothing", corpus / "doc0.txt", "-o", f"{tmp_path}/"), 2,

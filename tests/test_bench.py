@@ -366,11 +366,22 @@ def test_cli_bench_checks_where_it_will_write_before_measuring(tiny_model_dir, t
     assert folder.exit_code == 2 and "is a directory" in folder.stderr
 
 
-def test_recall_runs_when_a_window_states_no_detail_once(session, document):
-    """A window without a name or number stated once has no recall question; the task still reports the others."""
+def test_recall_leaves_out_a_window_that_asks_nothing(session, document):
+    """A window without a name or number stated once asks no recall question: it counted as 0 % (0 of 0) for the
+    full cache and every method, and the means fell with it. It is left out of the mean, the table says over how
+    many windows; a text whose windows ask nothing (`document`: every word repeats) is refused before any read."""
     settings = BenchSettings(**{**SETTINGS, "task": "recall", "methods": ["streaming"], "budgets": ["50%"]})
-    result = run_bench(session, document, settings)
-    assert "recall" in result and 0 <= result["recall"]["full"]["accuracy"]["mean"] <= 1
+    ahab = Document("The crew then met old Captain Ahab at noon. " + TEXT[:400], "ahab.txt", "0" * 64)
+    result = run_bench(session, ahab, settings)
+    recall = result["recall"]
+    assert [len(h["facts"]) for h in recall["haystacks"]] == [0, 1]
+    assert recall["full"]["per_window"]["accuracy"][0] is None and recall["full"]["accuracy"]["n"] == 1
+    assert recall["results"]["streaming"]["50%"]["accuracy"]["n"] == 1
+    console = Console(record=True, width=200)
+    render(result, console)
+    assert "exact-match accuracy, mean over 1 window (1 question)" in " ".join(console.export_text().split())
+    with pytest.raises(UsageError, match="nothing to ask; give a larger --context"):
+        run_bench(session, document, settings)
 
 
 def test_pick_recalls_finds_details_stated_once():
@@ -429,6 +440,14 @@ def test_resume_refuses_a_run_that_measured_something_else(session, document, re
         run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["snapkv"]}), resume=saved)
 
 
+def test_resume_with_fewer_windows_than_a_stopped_run_measured_says_so(session, document, result):
+    """A stopped run with more windows measured than --windows now asks: "the saved run's windows are not this run's
+    first 2 (offsets differ)", though they agree as far as they go."""
+    stopped = {**json.loads(json.dumps(result)), "complete": False}
+    with pytest.raises(UsageError, match="has measured 2 windows, more than --windows 1; give --windows 2 or more"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "windows": 1}), resume=stopped)
+
+
 def test_cli_resume_needs_out_and_a_readable_result(tiny_model_dir, tmp_path):
     base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
             "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet", "--resume"]
@@ -439,3 +458,51 @@ def test_cli_resume_needs_out_and_a_readable_result(tiny_model_dir, tmp_path):
     broken.write_text("{not json")
     bad = runner.invoke(app, [*base, "--out", str(broken)], input=TEXT)
     assert bad.exit_code != 0 and bad.stderr.startswith("error: --resume") and broken.read_text() == "{not json"
+
+
+def test_a_run_without_resume_does_not_replace_a_stopped_run(tiny_model_dir, tmp_path):
+    """`bench --out F` run again without --resume replaced F at its first window: the windows a stopped run had
+    measured were lost. Refused, before the model loads; a finished result is replaced as asked."""
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet"]
+    runner = CliRunner()
+    stopped = tmp_path / "run.json"
+    text = json.dumps({"settings": {"windows": 8}, "complete": False, "fidelity": {"windows_done": 3}})
+    stopped.write_text(text)
+    refused = runner.invoke(app, [*base, "--out", str(stopped)], input=TEXT)
+    assert refused.exit_code == 2 and stopped.read_text() == text
+    assert refused.stderr.startswith("error: --out") and "(windows measured: fidelity 3 of 8)" in refused.stderr
+    assert "--resume" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    stopped.write_text(text.replace("false", "true"))
+    replaced = runner.invoke(app, [*base, "--out", str(stopped)], input=TEXT)
+    assert replaced.exit_code == 0 and json.loads(stopped.read_text())["fidelity"]["windows_done"] == 1
+
+
+def test_plot_and_out_naming_one_new_file_are_refused(tiny_model_dir, tmp_path):
+    """`--out r.svg --plot r.svg`: neither existed, both were accepted, and the plot replaced the result (exit 0)."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "r.svg"
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "1", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--quiet"]
+    result = CliRunner().invoke(app, [*base, "--out", str(target), "--plot", str(tmp_path / "." / "r.svg")],
+                                input=TEXT)
+    assert result.exit_code == 2 and "name one file" in result.stderr and not target.exists()
+
+
+def test_an_interrupted_run_says_its_windows_are_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """Ctrl-C after some windows said only "interrupted": the saved windows, and --resume, went unmentioned."""
+    import klevict_cli.bench as bench_module
+
+    def stopped(session, document, settings, progress=None, checkpoint=None, resume=None, note=None):
+        checkpoint({"settings": {"windows": settings.windows}, "complete": False, "fidelity": {"windows_done": 1}})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_module, "run_bench", stopped)
+    out = tmp_path / "run.json"
+    base = ["bench", "-", "--model", str(tiny_model_dir), "--methods", "snapkv", "--budgets", "50%", "--windows",
+            "3", "--context", "64", "--continuation", "8", "--chunk-size", "32", "--out", str(out)]
+    result = CliRunner().invoke(app, base, input=TEXT)
+    assert result.exit_code == 130 and json.loads(out.read_text())["fidelity"]["windows_done"] == 1
+    assert result.stderr.splitlines() == [
+        f"note: {out} keeps the windows measured so far (fidelity 1 of 3); the same command with --resume continues",
+        "interrupted"]

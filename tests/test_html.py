@@ -5,6 +5,8 @@ Where a headless Chromium is installed, the page is also rendered and its DOM re
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -107,6 +109,14 @@ def test_a_browser_renders_every_token_and_a_screenshot(kvc_path, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
+def test_the_legend_keeps_each_range_on_one_line(kvc_path, tmp_path):
+    """At 1,400 pixels the legend wrapped inside a chip ('40–50' at a line's end, '%' on the next)."""
+    out = tmp_path / "page.html"
+    assert_ok(invoke("inspect", kvc_path, "--html", out))
+    rule = re.search(r"\.legend span \{([^}]*)\}", out.read_text(encoding="utf-8"))
+    assert rule and "white-space: nowrap" in rule[1]
+
+
 def test_page_loads_nothing_from_elsewhere(kvc_path, tmp_path):
     out = tmp_path / "page.html"
     assert_ok(invoke("inspect", kvc_path, "--html", out, "--json"))
@@ -135,3 +145,13 @@ def test_metadata_and_text_from_the_file_are_escaped(kvc_path, tmp_path):
 
 def test_html_into_a_missing_folder_fails_before_loading(kvc_path, tmp_path):
     assert_error(invoke("inspect", kvc_path, "--html", tmp_path / "no" / "page.html"), 7, "--html")
+
+
+def test_html_to_a_device_does_not_suggest_standard_output(kvc_path, tmp_path):
+    """`--html /dev/full` advised "or - for standard output", which --html refuses; compress -o takes it."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    line = assert_error(invoke("inspect", kvc_path, "--html", fifo), 7, "not a regular file")
+    assert "standard output" not in line
+    (tmp_path / "doc.txt").write_text(DOC_TEXT, encoding="utf-8")
+    assert_error(invoke("compress", tmp_path / "doc.txt", "-o", fifo), 7, "or - for standard output")
