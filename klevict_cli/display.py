@@ -42,6 +42,18 @@ def counted(n: int | None, one: str, many: str) -> str:
     return f"{'all' if n is None else n} {one if n == 1 else many}"
 
 
+def chosen_layers(info: dict) -> str:
+    """Where sliding layers are left out of `inspect`'s kept tokens (`report.describe`), which layers were counted."""
+    chosen = len(info["kept_per_layer"]) - len(info["sliding_layers"])
+    return f" of the {counted(chosen, 'layer', 'layers')} the budget chose for" if info["sliding_layers"] else ""
+
+
+def sliding_summary(sliding: dict[str, int], layers: int) -> str:
+    """What `inspect` says of the sliding-window layers (`report.describe`'s `sliding_layers`: layer -> window)."""
+    return (f"{len(sliding)} of {layers} layers keep their last {min(sliding.values()):,} tokens whatever the budget;"
+            " the shading and spans count the other layers")
+
+
 def drift_words(drift: dict) -> str:
     """A cache's estimated drift (`Engine.measure_drift`) in words: the estimate, and where the KL of the text that
     follows lands for 80 % of caches (`range80`) or, from a file written without that range, the upper end of the

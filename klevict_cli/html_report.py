@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 
-from klevict_cli.display import drift_words, visible
+from klevict_cli.display import chosen_layers, drift_words, sliding_summary, visible
 
 SHADES = 10  # shading classes s1..s10 for tokens kept by some slot; s0: evicted by every slot
 LONG_VALUE = 240  # metadata values are cut to this many characters on the page (the file has them whole)
@@ -56,6 +56,7 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
     legend = "".join(f'<span class="s{k}">{100 * (k - 1) // SHADES}–{100 * k // SHADES} %</span>'
                      for k in range(1, SHADES + 1))
     prefix = meta.get("prefix_tokens", "0")
+    sliding = f" {esc(sliding_summary(info['sliding_layers'], len(layers)))}." if info["sliding_layers"] else ""
     drift = info["estimated_kl"]
     moved = "" if drift is None else (f"\nEstimated drift (mean next-token KL against the full cache): "
                                       f"{esc(drift_words(drift))}.")
@@ -71,12 +72,12 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
 <h1>{esc(title)}</h1>
 <p>{info['kv_bytes_kept'] / 1e6:.2f} MB of keys and values kept of {info['kv_bytes_full'] / 1e6:.2f} MB for the
 full cache ({100 * info['ratio']:.1f} %); file {info['file_bytes'] / 1e6:.2f} MB.
-{info['tokens_kept_anywhere']:,} of {info['tokens']:,} tokens are kept by at least one KV head, in
+{info['tokens_kept_anywhere']:,} of {info['tokens']:,} tokens are kept by at least one KV head{esc(chosen_layers(info))}, in
 {info['spans']:,} span{'' if info['spans'] == 1 else 's'}.{moved}</p>
 <h2>The document</h2>
 <p class="legend">Each token is shaded by the share of (layer, KV head) slots that kept it:
 <span class="s0">evicted by all</span>{legend}. The first {esc(prefix)} tokens are the chat frame that opens the
-document.</p>
+document.{sliding}</p>
 <div class="doc" id="document">{tokens}</div>
 <h2>Kept entries per layer</h2>
 <table class="layers"><tr><th>layer</th><th>total</th><th></th><th>per KV head</th></tr>

@@ -16,17 +16,36 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from klevict_cli.display import drift_words, visible
+from klevict_cli.display import chosen_layers, drift_words, sliding_summary, visible
 from klevict_cli.errors import UsageError
 from klevict_cli.kvc import KvcFile, check_tokenizer, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
 from klevict_cli.options import parse_size
 
 
+def sliding_layers(kvc: KvcFile) -> dict[int, int]:
+    """The layers that keep a sliding window whatever the budget, with their window (`layer_windows`: Gemma 3's 15
+    of 18), where the file says so soundly and some layer does not slide; {} otherwise. On a short text such a layer
+    keeps every token, so counted with the others it shades the whole document as kept."""
+    try:
+        windows = json.loads(kvc.metadata.get("layer_windows", "null"))
+    except ValueError:
+        return {}
+    if not (isinstance(windows, list) and len(windows) == len(kvc.layers)
+            and all(w is None or (type(w) is int and w > 0) for w in windows)):
+        return {}
+    sliding = {i: w for i, w in enumerate(windows) if w is not None}
+    return sliding if len(sliding) < len(kvc.layers) else {}
+
+
 def kept_share(kvc: KvcFile) -> torch.Tensor:
-    """(T,) share of all (layer, KV head) slots that kept each token, in [0, 1]."""
+    """(T,) share of the (layer, KV head) slots that kept each token, in [0, 1]: the slots of the layers a budget
+    chose for (`sliding_layers` left out)."""
     total = torch.zeros(len(kvc.tokens), dtype=torch.float64)
     slots = 0
-    for layer in kvc.layers:
+    sliding = sliding_layers(kvc)
+    for i, layer in enumerate(kvc.layers):
+        if i in sliding:
+            continue
         total.index_add_(0, layer.positions.long(), torch.ones(len(layer.positions), dtype=torch.float64))
         slots += len(layer.lengths)
     return total / max(slots, 1)
@@ -73,6 +92,8 @@ def describe(path: Path, kvc: KvcFile) -> dict:
         # the size a --max-kl or --max-bytes cache has (its budget_tokens is only the cap, null where none was given)
         "kept_budget": _count(meta.get("kept_budget", meta.get("budget_tokens"))),
         "ratio": kept / full if full else 0.0,
+        # the layers whose window, not the budget, decides what they keep: left out of the three below
+        "sliding_layers": {str(i): w for i, w in sliding_layers(kvc).items()},
         "tokens_kept_anywhere": int((share > 0).sum()),
         "spans": len(runs),
         "longest_spans": sorted(runs, key=lambda r: r[0] - r[1])[:5],
@@ -164,9 +185,13 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "
                                          "measures it)")
     prefix = meta.get("prefix_tokens", "0")  # the budget counts every streamed token, the chat frame's too
+    sliding = info["sliding_layers"]
     table.add_row("document kept", f"{info['tokens_kept_anywhere']} of {info['tokens']} streamed tokens ({prefix} "
-                                   f"of the chat frame, then the document's) kept by some head, in {info['spans']} "
+                                   f"of the chat frame, then the document's) kept by some head"
+                                   f"{chosen_layers(info)}, in {info['spans']} "
                                    f"span{'' if info['spans'] == 1 else 's'}")
+    if sliding:
+        table.add_row("sliding layers", sliding_summary(sliding, len(info["kept_per_layer"])))
     console.print(table)
     layers = Table(title="kept entries per layer (per KV head)")
     layers.add_column("layer", justify="right")

@@ -429,6 +429,7 @@ class Session:
             "klevict_version": __version__,
             "cache_dtype": dtype,
             "model_dtype": self.model_dtype(),  # what the full cache would be in: inspect's "of ... full"
+            **self.layer_windows(),
             **({"quant_group": str(GROUP), "quant_exact": str(EXACT)} if bits else {}),
             "position_mode": result.plan.mode,
             "next_position": str(stream.next_position),
@@ -455,6 +456,12 @@ class Session:
         }
         tokens = torch.tensor(stream.tokens, dtype=torch.int32)
         return KvcFile(layers=layers, tokens=tokens, metadata=meta)
+
+    def layer_windows(self) -> dict[str, str]:
+        """`layer_windows` where some layers keep a sliding window whatever the budget (Gemma 3: 15 of 18), so that
+        `inspect` can show what the budget chose apart from what the window holds; nothing for other models."""
+        windows = [shape.window for shape in self.adapter.layer_shapes()]
+        return {"layer_windows": json.dumps(windows)} if any(w is not None for w in windows) else {}
 
     def load(self, path: Path) -> tuple[Stream, dict[str, str]]:
         """Load and validate a `.kvc` file against this model; returns a stream ready for questions."""

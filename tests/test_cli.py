@@ -1566,20 +1566,25 @@ def test_one_of_a_thing_is_said_in_the_singular(model, tmp_path):
     assert "note: kept 1 entry per KV head; estimated drift" in estimated.stderr
 
 
-def test_compress_says_what_sliding_window_layers_keep(doc, tmp_path):
-    """Gemma 3's sliding layers keep their window whatever the budget: the line said '96 entries per head' of a
-    cache 87 % the size of the full one (Gemma-3-270M, 491 tokens)."""
+def tiny_gemma3(folder: Path) -> Path:
+    """A tiny Gemma 3 saved as a local folder: layers 0-4 keep a sliding window of 12 tokens, layer 5 is global."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from .conftest import llama_config
 
-    folder = tmp_path / "tiny-gemma3"
     config = Gemma3TextConfig(**{**llama_config().to_dict(), "num_hidden_layers": 6, "num_key_value_heads": 1,
                                  "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 16,
                                  "layer_types": None, "rope_parameters": None, "architectures": None})
     torch.manual_seed(0)
     Gemma3ForCausalLM(config).save_pretrained(folder)
     make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_compress_says_what_sliding_window_layers_keep(doc, tmp_path):
+    """Gemma 3's sliding layers keep their window whatever the budget: the line said '96 entries per head' of a
+    cache 87 % the size of the full one (Gemma-3-270M, 491 tokens)."""
+    folder = tiny_gemma3(tmp_path / "tiny-gemma3")
     line = invoke("compress", doc, "-o", tmp_path / "g.kvc", "--model", folder, "--budget", "8", *FAST,
                   "--no-reconstruct")
     assert_ok(line)
@@ -1587,6 +1592,29 @@ def test_compress_says_what_sliding_window_layers_keep(doc, tmp_path):
     plain = invoke("compress", doc, "-o", tmp_path / "l.kvc", "--model", save_model(tmp_path / "llama"), "--budget",
                    "8", *FAST, "--no-reconstruct")
     assert "-> 8 entries per head (kl," in plain.stdout
+
+
+def test_inspect_shades_what_the_budget_chose_not_what_a_sliding_window_holds(doc, tmp_path):
+    """On a short text Gemma 3's sliding layers keep every token, so counted with the budgeted layers they shaded the
+    whole document as kept (Gemma-3-270M: 15 of 18 layers). The cache records its layers' windows; inspect counts
+    the other layers and says so."""
+    folder = tiny_gemma3(tmp_path / "tiny-gemma3")
+    cache = tmp_path / "g.kvc"
+    assert_ok(invoke("compress", doc, "-o", cache, "--model", folder, "--budget", "8", *FAST, "--no-reconstruct"))
+    info = json.loads(invoke("inspect", cache, "--json").stdout)
+    assert info["sliding_layers"] == {str(i): 12 for i in range(5)}
+    assert info["tokens_kept_anywhere"] == 8  # the global layer's one KV head keeps 8 (the windows: 12 more)
+    plain = invoke("inspect", cache)
+    assert_ok(plain)
+    assert "sliding layers 5 of 6 layers keep their last 12 tokens whatever the budget" in " ".join(
+        plain.stdout.replace("│", " ").split())  # the table's cells, as read
+    html = tmp_path / "g.html"
+    assert_ok(invoke("inspect", cache, "--html", html, "--model", folder))
+    assert "the shading and spans count the other layers" in html.read_text()
+    plain_model = tmp_path / "l.kvc"  # a model without sliding layers writes no such key
+    assert_ok(invoke("compress", doc, "-o", plain_model, "--model", save_model(tmp_path / "llama"), "--budget", "8",
+                     *FAST, "--no-reconstruct"))
+    assert json.loads(invoke("inspect", plain_model, "--json").stdout)["sliding_layers"] == {}
 
 
 def test_an_unquoted_question_is_refused_with_the_quoted_form(compressed, model, monkeypatch):
