@@ -45,7 +45,8 @@ from klevict_cli.reading import prepare_session, read_options, read_settings, se
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
-8 some documents or caches of a batch failed (the rest were done); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM)."""
+8 some documents or caches of a batch failed (the rest were done); 129 hung up (the terminal closed); 130 interrupted
+(Ctrl-C); 143 terminated (SIGTERM)."""
 
 app = typer.Typer(
     name="klevict",
@@ -157,11 +158,14 @@ def handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = {}
         try:
-            signal.signal(signal.SIGTERM, _raise_terminated)
+            for signum in STOPPING:
+                # a hangup is caught only where it would kill: under nohup (ignored) klevict goes on
+                if signum == signal.SIGTERM or signal.getsignal(signum) == signal.SIG_DFL:
+                    previous[signum] = signal.signal(signum, _raise_terminated)
         except ValueError:  # not the main thread (e.g. some test runners)
-            previous = None
+            pass
         try:
             return fn(*args, **kwargs)
         except KlevictError as exc:
@@ -174,12 +178,15 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             say("interrupted")
             raise typer.Exit(130) from None
-        except Terminated:
-            say("terminated")
-            raise typer.Exit(143) from None
+        except Terminated as exc:
+            try:
+                say("terminated" if exc.signum == signal.SIGTERM else "hung up")
+            except OSError:  # the terminal that hung up is gone
+                pass
+            raise typer.Exit(128 + exc.signum) from None
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     return wrapper
 
@@ -197,11 +204,19 @@ def echo(text: str) -> None:
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so that atomic writes clean up their temp files."""
+    """SIGTERM or SIGHUP, raised like KeyboardInterrupt so that atomic writes clean up their temp files."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# the signals that stop a command as Ctrl-C does (SIGHUP: the terminal closed; none on Windows)
+STOPPING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def _raise_terminated(signum, frame):
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def _show_usage_error(self, file=None) -> None:

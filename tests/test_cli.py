@@ -486,26 +486,32 @@ def test_compress_overwrites_atomically_and_leaves_no_temp_files(doc, model, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
 
 
-@pytest.mark.parametrize("how", ["interrupt", "sigterm"])
-def test_interrupted_write_keeps_the_old_file_and_no_temp_files(doc, model, tmp_path, monkeypatch, how):
+@pytest.mark.parametrize(("how", "code", "line"),
+                         [("interrupt", 130, "interrupted"), ("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hung up")])
+def test_interrupted_write_keeps_the_old_file_and_no_temp_files(doc, model, tmp_path, monkeypatch, how, code, line):
+    """Ctrl-C, SIGTERM, or the terminal closing during the write (SIGHUP left a temp file beside the output)."""
     out = tmp_path / "doc.kvc"
     out.write_bytes(b"old cache")
     real_fsync = os.fsync
+    if how == "SIGHUP":  # as in a terminal (the test run may be under nohup, which ignores it)
+        restore = signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     def boom(fd):
         if how == "interrupt":
             raise KeyboardInterrupt
         # Only signal ourselves if the CLI installed its handler; the default action would kill the test run.
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(getattr(signal, how)) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        os.kill(os.getpid(), getattr(signal, how))
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", boom)
     result = invoke("compress", doc, "-o", out, "--model", model, "--budget", "64", *FAST)
     monkeypatch.undo()
+    if how == "SIGHUP":
+        assert signal.signal(signal.SIGHUP, restore) == signal.SIG_DFL  # the CLI put back what it found
     _no_crash(result)
-    assert result.exit_code == (130 if how == "interrupt" else 143), _show(result)
-    assert result.stderr.splitlines() == ["interrupted" if how == "interrupt" else "terminated"]
+    assert result.exit_code == code, _show(result)
+    assert result.stderr.splitlines() == [line]
     assert out.read_bytes() == b"old cache"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kvc"]
 
@@ -1332,8 +1338,8 @@ def test_help_lists_the_exit_codes():
     text = " ".join(result.stdout.split())
     assert "Exit codes" in text
     for entry in ("0 ok", "1 unexpected error", "2 bad option", "3 unreadable document", "4 bad .kvc file",
-                  "5 model cannot be loaded", "6 does not fit", "7 cannot write the output", "130 interrupted",
-                  "143 terminated"):
+                  "5 model cannot be loaded", "6 does not fit", "7 cannot write the output", "129 hung up",
+                  "130 interrupted", "143 terminated"):
         assert entry in text, entry
     for command in ("summarize", "compress", "ask", "inspect"):
         assert command in text
@@ -1623,3 +1629,20 @@ def test_an_unquoted_question_is_refused_with_the_quoted_form(compressed, model,
     path = compressed[0]
     assert_error(invoke("ask", path, "What", "is", "it?", "--model", model), 2,
                  f"What: no such cache; a question of several words is one argument: klevict ask {path} \"What is it?\"")
+
+
+def test_a_hangup_under_nohup_is_left_ignored(doc, model, tmp_path, monkeypatch):
+    """`nohup klevict compress …` must outlive its terminal: an ignored SIGHUP is not taken over."""
+    restore = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    seen = []
+
+    def loading(opts):  # what the command runs under, seen where it would load the model
+        seen.append(signal.getsignal(signal.SIGHUP))
+        raise RuntimeError("no need to read")
+
+    monkeypatch.setattr(cli, "session_for", loading)
+    try:
+        invoke("compress", doc, "-o", tmp_path / "d.kvc", "--model", model, *FAST)
+        assert seen == [signal.SIG_IGN]
+    finally:
+        signal.signal(signal.SIGHUP, restore)
