@@ -646,9 +646,35 @@ def check_resumable(saved: dict, settings: dict) -> None:
     same_text = {**theirs.get("document", {}), "name": None} == {**settings["document"], "name": None}
     differ = sorted(k for k in set(theirs) | set(settings)
                     if k not in RESUMABLE_CHANGES + ("document",) and theirs.get(k) != settings.get(k))
-    differ += [] if same_text else ["document"]
-    if differ:
-        raise UsageError(f"--resume: the saved run was measured with other settings ({', '.join(differ)})")
+    differ = [k for k in differ if not set(FOLLOWS.get(k, ())) & set(differ)]  # said once, by what it follows from
+    said = [resume_change(k, theirs.get(k), settings.get(k)) for k in differ] + ([] if same_text else ["the document"])
+    if said:
+        raise UsageError(f"--resume: the saved run was measured with other settings: {'; '.join(said)}")
+
+
+# settings a bench result derives from others: a change to those changes them too
+FOLLOWS = {"budget_tokens": ("budgets", "context"), "method_params": ("methods",)}
+# settings a bench result names otherwise than by their option
+SETTING_WORDS = {"probe_precision": "--probe-dtype", "model_config_sha256": "the model's config",
+                 "model_weights_sha256": "the model's weights", "method_params": "the methods' parameters (another "
+                 "klevict version)", "budget_tokens": "the budgets in tokens (another chat frame)"}
+
+
+def resume_change(key: str, saved: object, now: object) -> str:
+    """One setting a resumed run would change, as the user knows it: `--budgets 50%,20% (now 10%)`."""
+    words = SETTING_WORDS.get(key, "--" + key.replace("_", "-"))
+    if words.startswith("--") and all(isinstance(v, str | int | float | bool | list | None) for v in (saved, now)):
+        return f"{words} {_as_typed(saved)} (now {_as_typed(now)})"
+    return words
+
+
+def _as_typed(value: object) -> str:
+    """A setting's value as an option takes it: a list comma-separated, a switch in lower case."""
+    if value is None:
+        return "not given"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _machine(session) -> str:

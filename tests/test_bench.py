@@ -434,9 +434,11 @@ def test_resuming_a_finished_run_leaves_it_as_it_was(session, document, result):
 
 def test_resume_refuses_a_run_that_measured_something_else(session, document, result):
     saved = json.loads(json.dumps(result))
-    with pytest.raises(UsageError, match="other settings.*context"):
+    context = SETTINGS["context"]
+    with pytest.raises(UsageError, match=rf"other settings: --context {context} \(now 180\)$"):
         run_bench(session, document, BenchSettings(**{**SETTINGS, "context": 180}), resume=saved)
-    with pytest.raises(UsageError, match="other settings.*methods"):
+    methods = ",".join(SETTINGS["methods"])
+    with pytest.raises(UsageError, match=rf"other settings: --methods {methods} \(now snapkv\)$"):
         run_bench(session, document, BenchSettings(**{**SETTINGS, "methods": ["snapkv"]}), resume=saved)
 
 
