@@ -61,10 +61,17 @@ def figure(result: dict):
                     ax.plot(kl, [r["time_ratio"]["mean"] for r in rows], **style)
             else:
                 rows = [result[kind]["results"][method][b] for b in labels]
-                ax.plot(tokens, [100 * r["accuracy"]["mean"] for r in rows], **style)
+                ax.errorbar(tokens, [100 * r["accuracy"]["mean"] for r in rows],
+                            yerr=[100 * r["accuracy"]["ci95"] for r in rows], capsize=2, **style)
+        if kind in ("needle", "recall"):  # what the compressed caches are measured against
+            ax.axhline(100 * result[kind]["full"]["accuracy"]["mean"], color="grey", linestyle="--", linewidth=1,
+                       zorder=1, label="full cache")
         describe_axes(ax, kind, result)
-    handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside right center", fontsize="small", frameon=False)
+    legend = {}  # every panel's entries, once each (the full cache's line is only on the accuracy panels)
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="outside right center", fontsize="small", frameon=False)
     return fig
 
 
@@ -100,7 +107,7 @@ def describe_axes(ax, kind: str, result: dict) -> None:
     else:
         ax.set_ylim(-3, 103)
         ax.set_ylabel("exact-match accuracy, %")
-        ax.set_title(f"{kind}: retrieval accuracy")
+        ax.set_title(f"{kind}: retrieval accuracy, mean ± 95 % over {windows_count(s['windows'])}")
 
 
 def draw_tolerance_points(ax, result: dict, method: str, style: dict) -> None:

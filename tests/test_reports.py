@@ -171,6 +171,11 @@ def test_plot_has_a_panel_per_measure(result):
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 3 and titles[1] == "cost against quality" and titles[2].startswith("needle")
     assert len(fig.axes[0].get_lines()) >= 4  # a line (and error bars) per method
+    # retrieval against the full cache's score (a dashed line, named once in the figure's legend), with intervals
+    full = 100 * result["needle"]["full"]["accuracy"]["mean"]
+    assert [line.get_ydata()[0] for line in fig.axes[2].get_lines() if line.get_label() == "full cache"] == [full]
+    assert fig.axes[2].collections  # the error bars
+    assert [t.get_text() for t in fig.legends[0].get_texts()].count("full cache") == 1
     assert plot_bytes(result, Path("x.png")).startswith(b"\x89PNG\r\n\x1a\n")
     assert plot_bytes(result, Path("x.svg")).lstrip().startswith(b"<?xml")
 
