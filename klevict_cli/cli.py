@@ -749,7 +749,8 @@ def check_stdout_for_binary(opts: dict) -> None:
 @handle_errors
 def ask(
     cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
-                                                      "a folder of them (a batch's OUTDIR/): one result per cache.",
+                                                      "a folder of them (a batch's OUTDIR/): one result per cache, model by model where "
+                                                      "several models made them.",
                                                       show_default=False, metavar="CACHE")],
     question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin "
                                             "(several: each answer under a 'Q: question' line).",
@@ -812,18 +813,24 @@ def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **
 
 
 def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
-    """The same questions to every cache, each answered by the model that made it (one load per model: a folder may
-    hold caches of two models), or all by --model. A cache that cannot be used is reported (an error line, or a JSON
-    line with status failed) and the others are still answered; then the exit code is 8."""
+    """The same questions to every cache, each answered by the model that made it, or all by --model. A folder may
+    hold caches of several models: they are answered model by model (in the order each model first appears), each
+    model loaded once and let go before the next, so that two large models are never held at once. A cache that
+    cannot be used is reported (an error line, or a JSON line with status failed) and the others are still
+    answered; then the exit code is 8."""
     from klevict_cli.batch import EXIT_SOME_FAILED, cache_paths
 
-    caches = cache_paths(paths)
+    caches = by_model(cache_paths(paths), opts["model"])
     sessions = {} if opts["model"] is None else {opts["model"]: session_for(opts)}  # --model: loaded up front
     failures = answered = 0
-    for path in caches:
+    for path, model in caches:
         source = None
         try:
-            session = model_session(sessions, opts, opts["model"] or model_of(path))
+            if isinstance(model, KlevictError):
+                raise model
+            for done in [m for m, s in sessions.items() if m != model and not isinstance(s, KlevictError)]:
+                del sessions[done]  # its caches are answered: its memory goes before the next model loads
+            session = model_session(sessions, opts, model)
             stream, meta = session.load(path)
             source = meta.get("source_name")
             if not opts["json"]:  # a blank line between caches' answers, none before the first printed
@@ -839,6 +846,21 @@ def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
                 say(f"error: {exc}")
     if failures:
         raise typer.Exit(EXIT_SOME_FAILED)
+
+
+def by_model(caches: list[Path], forced: str | None) -> list[tuple[Path, str | KlevictError]]:
+    """Each cache with the model to answer it (`forced`, or the one that made it; the error saying why there is
+    none), grouped by model in the order each first appears, the caches of one model in their own order."""
+    made = []
+    for path in caches:
+        try:
+            made.append((path, forced or model_of(path)))
+        except KlevictError as exc:
+            made.append((path, exc))
+    groups: dict[object, list] = {}  # in order of first appearance; a cache without a model is a group of its own
+    for n, (path, model) in enumerate(made):
+        groups.setdefault(model if isinstance(model, str) else n, []).append((path, model))
+    return [item for group in groups.values() for item in group]
 
 
 def model_session(sessions: dict, opts: dict, model: str):

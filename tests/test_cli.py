@@ -744,7 +744,8 @@ def test_ask_caches_of_two_models_answers_each_with_its_own(compressed, other_co
                                                            tmp_path, monkeypatch):
     """A folder holding caches of two models: each was answered by the first cache's model, the others failed
     (exit 8) with advice to pass a --model that would fail the first. Each is answered by the model that made it,
-    each model loaded once; --model still answers all with one model, and fails the others' caches."""
+    model by model, each model loaded once; --model still answers all with one model, and fails the others'
+    caches."""
     folder = tmp_path / "mixed"
     folder.mkdir()
     shutil.copyfile(compressed[0], folder / "a.kvc")
@@ -754,12 +755,13 @@ def test_ask_caches_of_two_models_answers_each_with_its_own(compressed, other_co
     real = reading._session.__wrapped__
     monkeypatch.setattr(reading, "_session", lambda *a: loads.append(a[0]) or real(*a))
     answers = json_lines(invoke("ask", folder, QUESTIONS[0], *GEN, "--json"))
-    assert [a["status"] for a in answers] == ["ok"] * 3 and sorted(loads) == sorted([model, other_model])
+    assert [a["status"] for a in answers] == ["ok"] * 3 and loads == [model, other_model]
+    assert [Path(a["cache"]).name for a in answers] == ["a.kvc", "c.kvc", "b.kvc"]  # model by model
     alone = json_out(invoke("ask", other_compressed, QUESTIONS[0], *GEN, "--json"))
-    assert answers[1]["answer"] == alone["answer"]
+    assert answers[2]["answer"] == alone["answer"]
     forced = invoke("ask", folder, QUESTIONS[0], "--model", model, *GEN, "--json")
     assert forced.exit_code == 8 and [json.loads(line)["status"] for line in forced.stdout.splitlines()] == [
-        "ok", "failed", "ok"]
+        "ok", "failed", "ok"]  # one model: the folder's order
 
 
 def test_ask_never_fetches_a_hub_model_a_cache_names(kvc_copy, monkeypatch):
