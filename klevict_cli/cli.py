@@ -41,7 +41,7 @@ from klevict_cli.options import (
     check_positive_int, check_real, load_config, merge_options, parse_budget, parse_byte_limit, parse_size,
     parse_working_limit, resolve_device, resolve_dtype, typed,
 )
-from klevict_cli.reading import prepare_session, read_options, read_settings, session_for
+from klevict_cli.reading import prepare_session, read_options, read_settings, release_sessions, session_for
 
 EXIT_CODES = """Exit codes: 0 ok; 1 unexpected error; 2 bad option, budget or config; 3 unreadable document;
 4 bad .kvc file; 5 model cannot be loaded; 6 does not fit the model's context or memory; 7 cannot write the output;
@@ -828,8 +828,11 @@ def ask_many(opts: dict, paths: list[Path], questions: list[str]) -> None:
         try:
             if isinstance(model, KlevictError):
                 raise model
-            for done in [m for m, s in sessions.items() if m != model and not isinstance(s, KlevictError)]:
-                del sessions[done]  # its caches are answered: its memory goes before the next model loads
+            done = [m for m, s in sessions.items() if m != model and not isinstance(s, KlevictError)]
+            if done:  # their caches are answered: their memory goes before the next model loads
+                for m in done:
+                    del sessions[m]
+                release_sessions()
             session = model_session(sessions, opts, model)
             stream, meta = session.load(path)
             source = meta.get("source_name")

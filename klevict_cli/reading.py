@@ -29,6 +29,15 @@ def _session(model: str | None, device: str, dtype: str, quiet: bool):
     return Session(load_model(model, device=device, dtype=dtype, attn_implementation=ATTENTION_NAME, quiet=quiet))
 
 
+def release_sessions() -> None:
+    """Let every loaded model go, before another loads where one at a time is enough (`ask` on caches of several
+    models): the loads are cached for the process, so dropping a session alone would keep its model."""
+    import gc
+
+    _session.cache_clear()
+    gc.collect()  # a model's modules hold reference cycles (hooks): freed now, not at some later collection
+
+
 def session_for(opts: dict):
     if opts.get("threads") is not None:
         import torch

@@ -751,12 +751,16 @@ def test_ask_caches_of_two_models_answers_each_with_its_own(compressed, other_co
     shutil.copyfile(compressed[0], folder / "a.kvc")
     shutil.copyfile(other_compressed, folder / "b.kvc")
     shutil.copyfile(compressed[0], folder / "c.kvc")
+    from klevict_cli import models
+
     loads = []
-    real = reading._session.__wrapped__
-    monkeypatch.setattr(reading, "_session", lambda *a: loads.append(a[0]) or real(*a))
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: loads.append(name) or real(name, **kw))
+    reading._session.cache_clear()  # loaded by earlier tests
     answers = json_lines(invoke("ask", folder, QUESTIONS[0], *GEN, "--json"))
     assert [a["status"] for a in answers] == ["ok"] * 3 and loads == [model, other_model]
     assert [Path(a["cache"]).name for a in answers] == ["a.kvc", "c.kvc", "b.kvc"]  # model by model
+    assert reading._session.cache_info().currsize == 1  # the first model let go before the second loaded
     alone = json_out(invoke("ask", other_compressed, QUESTIONS[0], *GEN, "--json"))
     assert answers[2]["answer"] == alone["answer"]
     forced = invoke("ask", folder, QUESTIONS[0], "--model", model, *GEN, "--json")
