@@ -749,8 +749,8 @@ def check_stdout_for_binary(opts: dict) -> None:
 @handle_errors
 def ask(
     cache_files: Annotated[list[Path], typer.Argument(help="A .kvc file made by `klevict compress`; or several, or "
-                                                      "a folder of them (a batch's OUTDIR/): one result per cache, model by model where "
-                                                      "several models made them.",
+                                                      "a folder of them (a batch's OUTDIR/): one result per cache, "
+                                                      "model by model where several models made them.",
                                                       show_default=False, metavar="CACHE")],
     question: Annotated[str, typer.Argument(help="The question, or - to read one question per line from stdin "
                                             "(several: each answer under a 'Q: question' line).",

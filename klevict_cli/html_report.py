@@ -56,6 +56,7 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
     legend = "".join(f'<span class="s{k}">{100 * (k - 1) // SHADES}–{100 * k // SHADES} %</span>'
                      for k in range(1, SHADES + 1))
     prefix = meta.get("prefix_tokens", "0")
+    chosen = esc(chosen_layers(info))  # which layers the kept tokens count, where some slide
     sliding = f" {esc(sliding_summary(info['sliding_layers'], len(layers)))}." if info["sliding_layers"] else ""
     drift = info["estimated_kl"]
     moved = "" if drift is None else (f"\nEstimated drift (mean next-token KL against the full cache): "
@@ -72,7 +73,7 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
 <h1>{esc(title)}</h1>
 <p>{info['kv_bytes_kept'] / 1e6:.2f} MB of keys and values kept of {info['kv_bytes_full'] / 1e6:.2f} MB for the
 full cache ({100 * info['ratio']:.1f} %); file {info['file_bytes'] / 1e6:.2f} MB.
-{info['tokens_kept_anywhere']:,} of {info['tokens']:,} tokens are kept by at least one KV head{esc(chosen_layers(info))}, in
+{info['tokens_kept_anywhere']:,} of {info['tokens']:,} tokens are kept by at least one KV head{chosen}, in
 {info['spans']:,} span{'' if info['spans'] == 1 else 's'}.{moved}</p>
 <h2>The document</h2>
 <p class="legend">Each token is shaded by the share of (layer, KV head) slots that kept it:
