@@ -41,13 +41,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from klevict_kernels.kl import token_kl
+from klevict_kernels.kl import ReferenceDistributions, token_kl
 from klevict_cli import __version__
 from klevict_cli.errors import ResourceError, UsageError
 from klevict_cli.options import Budget, parse_budget, parse_byte_limit
+from klevict_cli.attention import Lanes
 from klevict_cli.display import counted, shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import TOLERANCE_PREFIX, summary, windows_count, within_factor
+from klevict_cli.sampling import sample_rows
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -59,6 +61,7 @@ ANIMALS = ("fox", "owl", "tiger", "whale", "rabbit", "eagle", "wolf", "turtle", 
            "heron", "moose", "panda", "koala")
 
 Progress = Callable[[int, int, str], None]  # (done, total, what is running)
+SAMPLED_SEED = 7_919  # the bench's own continuations (`--sampled`): never a read's drafts or drift samples
 
 
 @dataclass
@@ -84,6 +87,8 @@ class BenchSettings:
     cache_dtypes: list[str] = field(default_factory=list)
     # byte limits (`compress --max-bytes`: "40M", "5%"), each measured beside the budgets as it stores the cache
     max_bytes: list[str] = field(default_factory=list)
+    # fidelity: each cache also measured on this many continuations the full cache's model writes itself (`kl_sampled`)
+    sampled: int = 0
 
 
 @dataclass
@@ -305,6 +310,35 @@ def continuation_logits(engine, stream, last_logits: torch.Tensor, continuation:
     return torch.cat((last_logits[None].float(), rows[:-1].float()), dim=0)
 
 
+def sampled_continuations(engine, stream, last_logits: torch.Tensor, lanes: int, length: int,
+                          generator: torch.Generator) -> list[int]:
+    """`lanes` continuations of `length` tokens that the model writes itself over `stream`'s cache (temperature 1),
+    side by side (attention.Lanes) on a copy of the stream, their tokens step by step (a step's tokens, one per lane).
+    The mean KL over them is a Monte-Carlo estimate of the per-token KL between what the full and the compressed cache
+    would write: the sequence-level divergence, whose chain rule sums the next-token KLs along the model's own text."""
+    work = stream.clone()
+    lane = Lanes(work.next_position, work.next_rope, lanes)
+    logits, tokens = last_logits.reshape(1, -1).expand(lanes, -1), []
+    for step in range(length):
+        drawn = sample_rows(logits.float(), generator)
+        tokens += drawn
+        if step + 1 < length:
+            logits, _ = engine.forward(work, drawn, logits_rows=lanes, lanes=lane)
+    return tokens
+
+
+def lane_logits(engine, stream, last_logits: torch.Tensor, tokens: list[int], lanes: int) -> torch.Tensor:
+    """Teacher-force `tokens` (`sampled_continuations`' lanes) over a copy of `stream` in one forward: the logits
+    predicting each token, in the tokens' order, the first step's from the context's last logits."""
+    first = last_logits.reshape(1, -1).float().expand(lanes, -1)
+    if len(tokens) == lanes:
+        return first
+    work = stream.clone()
+    rows, _ = engine.forward(work, tokens[:-lanes], logits_rows=len(tokens) - lanes,
+                             lanes=Lanes(work.next_position, work.next_rope, lanes))
+    return torch.cat((first, rows.float()))
+
+
 class _Counter:
     def __init__(self, total: int, progress: Progress | None):
         self.done, self.total, self.progress = 0, total, progress
@@ -396,11 +430,12 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     labels = list(dict.fromkeys(label for _, label in reads))
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
+    sampled = ("kl_sampled",) if settings.sampled else ()
     results = {stored_row(m, dtype): {label: {k: [] for k in (
         "kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes",
-        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype")} for label in labels}
+        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype") + sampled} for label in labels}
         for m in settings.methods for dtype in stored_as}
-    stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes")
+    stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes") + sampled
     done = carry_over(previous, full, results, offsets, "offsets")
 
     def block(done: int) -> dict:
@@ -421,6 +456,13 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
             continue
         targets = torch.tensor(cont)
         ref = timed_read(session, window, reference, len(cont))
+        own = own_text = None  # the model's own continuations, and the full cache's distributions along them
+        if settings.sampled:
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + w + SAMPLED_SEED)
+            own_text = sampled_continuations(ref["engine"], ref["stream"], ref["logits"], settings.sampled,
+                                             settings.continuation, generator)
+            own = ReferenceDistributions(lane_logits(ref["engine"], ref["stream"], ref["logits"], own_text,
+                                                     settings.sampled))
         ref_logits = continuation_logits(ref["engine"], ref["stream"], ref["logits"], cont)
         base = token_metrics(ref_logits, ref_logits, targets)
         full["perplexity"].append(base["perplexity"])
@@ -435,8 +477,11 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
                 chosen = dtype or got["stream"].stored_as
                 stream, nbytes = (got["stream"].clone(), got["cache_bytes"]) if chosen is None \
                     else session.as_stored(got["stream"], chosen)
-                logits = continuation_logits(got["engine"], stream, got["logits"], cont)
                 row = results[stored_row(method, dtype)][label]
+                if own is not None:
+                    row["kl_sampled"].append(float(own.kl(lane_logits(got["engine"], stream, got["logits"], own_text,
+                                                                      settings.sampled)).mean()))
+                logits = continuation_logits(got["engine"], stream, got["logits"], cont)
                 row["cache_dtype"].append(chosen)
                 for key, value in token_metrics(ref_logits, logits, targets).items():
                     row[key].append(value)
@@ -642,7 +687,8 @@ def check_resumable(saved: dict, settings: dict) -> None:
     """A saved run can be resumed only by a run measuring the same thing."""
     if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict):
         raise UsageError("--resume: not a klevict bench result")
-    theirs = {"probe_precision": saved["settings"].get("dtype"), **saved["settings"]}  # earlier runs: the model's
+    # earlier runs: the model's precision for the probes, no --sampled
+    theirs = {"probe_precision": saved["settings"].get("dtype"), "sampled": 0, **saved["settings"]}
     same_text = {**theirs.get("document", {}), "name": None} == {**settings["document"], "name": None}
     differ = sorted(k for k in set(theirs) | set(settings)
                     if k not in RESUMABLE_CHANGES + ("document",) and theirs.get(k) != settings.get(k))
@@ -740,6 +786,11 @@ def render(result: dict, console: Console) -> None:
                       f"perplexity {_pm(full['perplexity'], '.2f')}; best per column in bold", metric="kl", lower=True,
                       headers=[label if settings["budget_tokens"][label] is None
                                else f"{label} ({settings['budget_tokens'][label]})" for label in labels])
+        if settings.get("sampled"):
+            _method_table(console, fid, labels, lambda row, _: _pm(row["kl_sampled"], ".4f"),
+                          f"KL(full ‖ compressed) on the model's own text: {settings['sampled']} continuations of "
+                          f"{fid['continuation_tokens']} tokens the full cache samples, nats/token, mean ± 95%",
+                          metric="kl_sampled", lower=True)
         _method_table(console, fid, labels,
                       lambda row, _: f"{100 * row['top1']['mean']:.1f}% · {row['perplexity']['mean']:.2f}",
                       "top-1 agreement with the full cache · perplexity", metric="top1")

@@ -993,6 +993,9 @@ def bench(
     max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Comma-separated byte limits (5%,40M), each "
                                                   "measured beside the budgets as compress --max-bytes stores the "
                                                   "cache: the dtype chosen, its bytes and KL.")] = None,
+    sampled: Annotated[int, typer.Option("--sampled", help="Also measure each cache on this many continuations "
+                                         "(of --continuation tokens) that the full cache's model writes itself: "
+                                         "kl_sampled, the KL of what the model would write (0: not measured).")] = 0,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,
@@ -1016,6 +1019,7 @@ def bench(
     for name, value in (("windows", windows), ("context", context), ("continuation", continuation),
                         ("needles", needles), ("answer_tokens", answer_tokens)):
         check_positive_int(name, value)
+    check_int_range("sampled", sampled, 0, 64)  # each continuation's distributions are held through a window
     if working is not None:
         check_real("working", working, working >= 1, "a multiple of the budget, at least 1")
     check_choice("task", task, TASKS)
@@ -1025,7 +1029,7 @@ def bench(
         probe_window=opts["probe_window"], probe_dtype=opts["probe_dtype"], task=task, needles=needles,
         answer_tokens=answer_tokens, working=working,
         reconstruct=reconstruct, max_kl=parse_tolerances(max_kl), estimate=estimate,
-        cache_dtypes=parse_cache_dtypes(cache_dtypes), max_bytes=parse_byte_limits(max_bytes),
+        cache_dtypes=parse_cache_dtypes(cache_dtypes), max_bytes=parse_byte_limits(max_bytes), sampled=sampled,
     )
     if settings.cache_dtypes and settings.max_bytes:
         raise UsageError("--max-bytes chooses the dtype: measure it in a run without --cache-dtype")

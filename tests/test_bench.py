@@ -18,12 +18,14 @@ from klevict_cli.bench import (
     crowded,
     draw_offsets,
     insert_facts,
+    lane_logits,
     make_facts,
     parse_budgets,
     parse_methods,
     _estimate_cell,
     render,
     run_bench,
+    sampled_continuations,
     summary,
     token_metrics,
 )
@@ -162,6 +164,53 @@ def test_bench_measures_tolerances_beside_budgets(session, document):
     text = console.export_text()
     assert "--max-kl: cache kept" in text and "max-kl 10" in text
     assert "estimated drift" in text and _estimate_cell(rows["max-kl 10"]) in text.replace("\n", " ")
+
+
+def test_bench_measures_each_cache_on_the_models_own_continuations(session, document):
+    """--sampled: each cache is also measured on continuations the full cache's model writes itself: nothing moved
+    with nothing evicted, something with less kept, the same numbers for the same seed; none asked, none recorded."""
+    settings = BenchSettings(**{**SETTINGS, "task": "fidelity", "sampled": 3})
+    got = run_bench(session, document, settings)["fidelity"]["results"]["snapkv"]
+    assert max(got["100%"]["per_window"]["kl_sampled"]) <= 1e-6
+    assert min(got["20%"]["per_window"]["kl_sampled"]) > 1e-4
+    assert got["20%"]["kl_sampled"]["n"] == SETTINGS["windows"]
+    again = run_bench(session, document, settings)["fidelity"]["results"]["snapkv"]
+    assert again["20%"]["per_window"]["kl_sampled"] == got["20%"]["per_window"]["kl_sampled"]
+    plain = run_bench(session, document, BenchSettings(**{**SETTINGS, "task": "fidelity"}))
+    assert "kl_sampled" not in plain["fidelity"]["results"]["snapkv"]["20%"]["per_window"]
+    render(run_bench(session, document, BenchSettings(**{**SETTINGS, "task": "fidelity", "sampled": 2,
+                                                          "windows": 1})), console := Console(record=True, width=200))
+    assert "on the model's own text: 2 continuations of 32 tokens" in console.export_text()
+
+
+def test_lanes_read_as_each_continuation_alone(session):
+    """The continuations are read side by side (lanes) at the positions a single continuation takes: each lane's
+    logits are those of teacher-forcing it alone, and it was drawn from them (step by step, lane by lane)."""
+    from klevict_cli.session import ReadSettings
+
+    engine = session.engine("none", None, ReadSettings(budget=None, chunk_size=64), "original")
+    stream = engine.new_stream()
+    ids = encode_text(session.lm.tokenizer, TEXT)[:90]
+    logits = engine.feed(stream, ids)
+    lanes, length = 3, 6
+    tokens = sampled_continuations(engine, stream, logits, lanes, length, torch.Generator().manual_seed(0))
+    together = lane_logits(engine, stream, logits, tokens, lanes)
+    assert len(tokens) == lanes * length and together.shape[0] == lanes * length and stream.next_position == 90
+    for lane in range(lanes):
+        alone = stream.clone()
+        own = tokens[lane::lanes]
+        rows, _ = engine.forward(alone, own[:-1], logits_rows=length - 1)
+        expected = torch.cat((logits.reshape(1, -1).float(), rows.float()))
+        torch.testing.assert_close(together[lane::lanes], expected, atol=1e-4, rtol=1e-4)
+    assert len(set(tuple(tokens[lane::lanes]) for lane in range(lanes))) > 1  # independent draws
+
+
+def test_resume_reads_a_run_from_before_sampled_as_without_it(session, document, result):
+    saved = json.loads(json.dumps(result))
+    del saved["settings"]["sampled"]
+    assert run_bench(session, document, BenchSettings(**SETTINGS), resume=saved) is saved  # finished: as it was
+    with pytest.raises(UsageError, match=r"other settings: --sampled 0 \(now 2\)$"):
+        run_bench(session, document, BenchSettings(**{**SETTINGS, "sampled": 2}), resume=saved)
 
 
 def test_estimate_cell_compares_each_windows_estimate_with_its_measured_kl():
