@@ -433,8 +433,8 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     sampled = ("kl_sampled",) if settings.sampled else ()
     results = {stored_row(m, dtype): {label: {k: [] for k in (
         "kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes",
-        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype") + sampled} for label in labels}
-        for m in settings.methods for dtype in stored_as}
+        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype") + sampled + ("kl_sampled_lanes",) * bool(
+        sampled)} for label in labels} for m in settings.methods for dtype in stored_as}
     stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes") + sampled
     done = carry_over(previous, full, results, offsets, "offsets")
 
@@ -478,9 +478,10 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
                 stream, nbytes = (got["stream"].clone(), got["cache_bytes"]) if chosen is None \
                     else session.as_stored(got["stream"], chosen)
                 row = results[stored_row(method, dtype)][label]
-                if own is not None:
-                    row["kl_sampled"].append(float(own.kl(lane_logits(got["engine"], stream, got["logits"], own_text,
-                                                                      settings.sampled)).mean()))
+                if own is not None:  # the mean, and each continuation's own (how far they agree)
+                    kl = own.kl(lane_logits(got["engine"], stream, got["logits"], own_text, settings.sampled))
+                    row["kl_sampled"].append(float(kl.mean()))
+                    row["kl_sampled_lanes"].append(kl.view(-1, settings.sampled).mean(dim=0).tolist())
                 logits = continuation_logits(got["engine"], stream, got["logits"], cont)
                 row["cache_dtype"].append(chosen)
                 for key, value in token_metrics(ref_logits, logits, targets).items():

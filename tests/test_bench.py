@@ -174,6 +174,8 @@ def test_bench_measures_each_cache_on_the_models_own_continuations(session, docu
     assert max(got["100%"]["per_window"]["kl_sampled"]) <= 1e-6
     assert min(got["20%"]["per_window"]["kl_sampled"]) > 1e-4
     assert got["20%"]["kl_sampled"]["n"] == SETTINGS["windows"]
+    for mean, lanes in zip(got["20%"]["per_window"]["kl_sampled"], got["20%"]["per_window"]["kl_sampled_lanes"]):
+        assert len(lanes) == 3 and sum(lanes) / 3 == pytest.approx(mean) and len(set(lanes)) == 3
     again = run_bench(session, document, settings)["fidelity"]["results"]["snapkv"]
     assert again["20%"]["per_window"]["kl_sampled"] == got["20%"]["per_window"]["kl_sampled"]
     plain = run_bench(session, document, BenchSettings(**{**SETTINGS, "task": "fidelity"}))
