@@ -8,7 +8,8 @@ came to the tolerance asked for.
 Prints, per result file and method, the pairs' Spearman correlation, the median and spread of estimated / measured,
 and the share of pairs within a factor 1.5; then the same over every pair of every file. Then, per file and
 tolerance, the kept share and measured / asked over the windows, and the share within 1.5× (pooled at the end).
-`--plot` draws measured against asked for every file with tolerances (needs matplotlib).
+`--plot` draws measured against asked for every file with tolerances (needs matplotlib). `--truth own` measures
+against the KL on the model's own continuations instead (results of `bench --sampled`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
 
 from klevict_cli.results import RESAMPLES, tolerances, within_factor  # noqa: E402
+
+TRUTHS = {"page": "kl", "own": "kl_sampled"}  # --truth: the per-window numbers each names
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -40,11 +43,11 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def pairs(result: dict, method: str) -> list[tuple[float, float]]:
+def pairs(result: dict, method: str, truth: str = "kl") -> list[tuple[float, float]]:
     out = []
     for row in result["fidelity"]["results"][method].values():
         window = row["per_window"]
-        out += [(e, m) for e, m in zip(window.get("estimated_kl", []), window["kl"]) if e is not None and m > 0]
+        out += [(e, m) for e, m in zip(window.get("estimated_kl", []), window[truth]) if e is not None and m > 0]
     return out
 
 
@@ -64,14 +67,18 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="draw measured against asked for the results with tolerances")
     parser.add_argument("--against", nargs="+", type=Path, default=[],
                         help="`--budget` results of the same windows at the tolerances' mean sizes, largest first")
+    parser.add_argument("--truth", choices=sorted(TRUTHS), default="page",
+                        help="what the KL is measured on: the real next page (the bench's kl) or the model's own "
+                             "continuations (kl_sampled, from bench --sampled)")
     args = parser.parse_args()
+    truth = TRUTHS[args.truth]
     print("| result · method | pairs | Spearman | median est./measured | 10–90 % | within 1.5× |\n|---|---|---|---|---|---|")
     everything: dict[str, list] = {}
     found_results = loaded(args.results)
     for result in found_results.values():
         settings = result["settings"]
         for method in result["fidelity"]["results"]:
-            found = pairs(result, method)
+            found = pairs(result, method, truth)
             everything.setdefault(method, []).extend(found)
             label = f"{Path(settings['document']['name']).stem} {settings['context']} {settings['model']} · {method}"
             print(describe(label, found))
@@ -80,9 +87,9 @@ def main() -> None:
     print(describe("all", [p for found in everything.values() for p in found]))
     asked = {name(result): result for result in found_results.values() if tolerances(result)}
     if asked:
-        print(tolerance_table(asked))
+        print(tolerance_table(asked, truth))
     if args.against:
-        print(equal_size_table(asked, {name(r): r for r in loaded(args.against).values()}))
+        print(equal_size_table(asked, {name(r): r for r in loaded(args.against).values()}, truth))
     if args.plot and asked:
         from klevict_cli.plots import figure_bytes, tolerance_figure
 
@@ -99,7 +106,7 @@ def name(result: dict) -> str:
     return f"{settings['model']} {settings['context']} {Path(settings['document']['name']).stem}"
 
 
-def tolerance_table(asked: dict[str, dict]) -> str:
+def tolerance_table(asked: dict[str, dict], truth: str = "kl") -> str:
     """Per result and tolerance: kept share, measured / asked (median, range) and windows within 1.5× of it."""
     lines = ["", "| result · tolerance | windows | kept | measured / asked: median | range | within 1.5× |",
              "|---|---|---|---|---|---|"]
@@ -108,7 +115,7 @@ def tolerance_table(asked: dict[str, dict]) -> str:
         for rows in result["fidelity"]["results"].values():
             for column, tolerance in tolerances(result).items():
                 window = rows[column]["per_window"]
-                ratios = sorted(kl / tolerance for kl in window["kl"])
+                ratios = sorted(kl / tolerance for kl in window[truth])
                 pooled.setdefault(tolerance, []).extend(ratios)
                 kept = window["cache_fraction"]
                 lines.append(f"| {label} · {tolerance:g} | {len(ratios)} | "
@@ -125,7 +132,7 @@ def tolerance_table(asked: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
+def equal_size_table(asked: dict[str, dict], sized: dict[str, dict], truth: str = "kl") -> str:
     """Per model and length (both texts' windows together): each tolerance's mean kept share and measured KL against
     those of the `--budget` read of the same windows whose size matches it (budget columns largest first, tolerances
     smallest first)."""
@@ -140,9 +147,9 @@ def equal_size_table(asked: dict[str, dict], sized: dict[str, dict]) -> str:
         for n, (column, tolerance) in enumerate(sorted(tolerances(result).items(), key=lambda item: item[1])):
             budget = list(budget_rows)[n]
             entry = groups.setdefault(f"{model} {context} · {tolerance:g} · {budget}", {"a": [], "b": []})
-            entry["a"] += zip(rows[column]["per_window"]["cache_fraction"], rows[column]["per_window"]["kl"])
+            entry["a"] += zip(rows[column]["per_window"]["cache_fraction"], rows[column]["per_window"][truth])
             entry["b"] += zip(budget_rows[budget]["per_window"]["cache_fraction"],
-                              budget_rows[budget]["per_window"]["kl"])
+                              budget_rows[budget]["per_window"][truth])
     lines = ["", "| model · length · tolerance · budget | windows | kept: tolerance / budget | mean KL: tolerance / "
                  "budget | ratio [95 %] |", "|---|---|---|---|---|"]
     for label, entry in groups.items():

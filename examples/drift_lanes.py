@@ -7,6 +7,7 @@ in lanes, again")
     # (record OUT --lanes 8 -- ...: eight lanes, each sampled DRIFT_DRAFTS tokens whatever the read's length)
     # then: what fewer lanes or fewer tokens per lane would have estimated, against the KL the bench measured
     python examples/drift_lanes.py compare OUT1 OUT2 ...
+    # (compare --truth own OUT...: against the KL on the model's own continuations, from runs with bench --sampled)
 
 `record OUT` writes OUT.json (the bench's results) and OUT.tokens.jsonl. The first k steps of a recorded run are
 exactly what a run of k steps samples (the lanes are sampled step by step from one generator); fewer lanes are
@@ -28,10 +29,16 @@ from klevict_cli.results import within_factor  # noqa: E402
 
 # variant: (groups of recorded lanes, each one estimator; steps per lane); a variant is read where every recorded
 # measurement has its lanes and steps (8-lane variants from `record --lanes 8` runs)
-FOUR, EIGHT = [0, 1, 2, 3], list(range(8))
+FOUR, EIGHT, SIXTEEN = [0, 1, 2, 3], list(range(8)), list(range(16))
 VARIANTS = {"1x16": ([[0], [1], [2], [3]], 16), "1x32": ([[0], [1], [2], [3]], 32), "2x16": ([[0, 1], [2, 3]], 16),
             "2x32": ([[0, 1], [2, 3]], 32), "4x8": ([FOUR], 8), "4x16": ([FOUR], 16), "4x32": ([FOUR], 32),
             "8x4": ([EIGHT], 4), "8x8": ([EIGHT], 8), "8x16": ([EIGHT], 16)}
+# from `record --lanes 16` runs: each group of lanes a separate estimator, as many groups as the lanes make
+QUARTERS, HALVES = [SIXTEEN[i : i + 4] for i in range(0, 16, 4)], [SIXTEEN[:8], SIXTEEN[8:]]
+VARIANTS.update({"4x16 (of 16)": (QUARTERS, 16), "4x32 (of 16)": (QUARTERS, 32), "8x16 (of 16)": (HALVES, 16),
+                 "8x32 (of 16)": (HALVES, 32), "16x8": ([SIXTEEN], 8), "16x16": ([SIXTEEN], 16),
+                 "16x32": ([SIXTEEN], 32)})
+TRUTHS = {"page": "kl", "own": "kl_sampled"}  # compare --truth: the real next page, or the model's own text
 
 
 def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
@@ -62,15 +69,16 @@ def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
     app()
 
 
-def pairs(out: str) -> list[tuple[float, list[list[float]]]]:
-    """(measured KL, per-token KL as steps x lanes) per window and budget of a recorded run."""
+def pairs(out: str, truth: str = "kl") -> list[tuple[float, list[list[float]]]]:
+    """(measured KL, per-token KL as steps x lanes) per window and budget of a recorded run; `truth`: the bench's
+    number the KL was measured as (kl: on the real next page; kl_sampled: on the model's own continuations)."""
     result = json.loads(Path(f"{out}.json").read_text())
     dumps = [json.loads(line) for line in Path(f"{out}.tokens.jsonl").read_text().splitlines()]
     found = []
     for rows in result["fidelity"]["results"].values():
         for row in rows.values():
             window = row["per_window"]
-            for estimate, measured in zip(window.get("estimated_kl", []), window["kl"]):
+            for estimate, measured in zip(window.get("estimated_kl", []), window[truth]):
                 if estimate is None or measured <= 0:
                     continue
                 # the estimate as recorded (runs before the calibration by length: 0.5 times the sampled KL)
@@ -91,8 +99,8 @@ def describe(found: list[tuple[float, float]]) -> tuple[float, float, float, flo
             q[-1] * calibration, within)
 
 
-def compare(outs: list[str]) -> None:
-    found = [p for out in outs for p in pairs(out)]
+def compare(outs: list[str], truth: str = "kl") -> None:
+    found = [p for out in outs for p in pairs(out, truth)]
     print(f"{len(found)} window x budget pairs\n")
     print("| lanes x tokens | Spearman | calibration | 10-90 % calibrated | within 1.5x |\n|---|---|---|---|---|")
     for name, (groups, steps) in VARIANTS.items():
@@ -110,6 +118,8 @@ if __name__ == "__main__":
         wide = sys.argv[3:5] if sys.argv[3:4] == ["--lanes"] else []
         record(sys.argv[2], [a for a in sys.argv[3 + len(wide):] if a != "--"], int(wide[1]) if wide else None)
     elif len(sys.argv) >= 3 and sys.argv[1] == "compare":
-        compare(sys.argv[2:])
+        given = sys.argv[2:]
+        truth = given[given.index("--truth") + 1] if "--truth" in given else "page"
+        compare([a for a in given if a not in ("--truth", truth)], TRUTHS[truth])
     else:
         sys.exit(__doc__)
