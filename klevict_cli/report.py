@@ -162,7 +162,10 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         console.file.write(json.dumps(info) + "\n")
         return
     meta = info["metadata"]
-    table = Table(title=Text(visible(str(path))), show_header=False)
+    console.print(Text(visible(str(path))), soft_wrap=True)  # whole, as a line: a table's title crops a long path
+    table = Table(show_header=False)
+    for _ in ("key", "value"):  # a narrow or piped output folds a long name or path; an ellipsis would lose it
+        table.add_column(overflow="fold")
     limited = "max_bytes" in meta or "max_kl" in meta
     for key in ("model_id", "method", "budget", "budget_tokens", "max_kl", "max_bytes", "kept_budget",
                 "position_mode", "prefix_tokens", "document_tokens", "next_position", "chunk_size", "cache_dtype",

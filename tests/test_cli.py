@@ -980,6 +980,22 @@ def test_inspect_shows_hostile_metadata_as_text(compressed, kvc_copy):
     assert data["metadata"]["source_name"] == HOSTILE
 
 
+def test_inspect_shows_long_names_and_paths_whole(kvc_copy):
+    """A piped table is 80 columns wide: a long document name or model path was cut to "…", and a long cache path
+    cropped in the table's title. Values fold onto more lines; the path is a line of its own."""
+    from tests.test_kvc import raw_parts, write_raw
+
+    name, model_path = "a-report-" + "x" * 120 + ".md", "/models/" + "q" * 90 + "/Qwen2.5-1.5B-Instruct"
+    tensors, metadata = raw_parts(kvc_copy)
+    path = kvc_copy.with_name("c" * 100 + ".kvc")
+    write_raw(path, tensors, {**metadata, "source_name": name, "model_id": model_path})
+    result = invoke("inspect", path)
+    assert_ok(result)
+    assert result.stdout.splitlines()[0] == str(path)
+    values = "".join(line.split("│")[2].strip() for line in result.stdout.splitlines() if line.count("│") == 3)
+    assert name in values and model_path in values and "…" not in result.stdout
+
+
 def test_file_names_in_errors_are_shown_not_obeyed(model, tmp_path):
     name = tmp_path / "doc\x1b]0;pwned\x07\x1b[31m.txt"
     line = assert_error(invoke("summarize", name, "--model", model, *FAST), 3, "no such file")
