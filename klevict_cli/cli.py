@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
 from klevict_cli.display import Count, TextStream, counted, drift_words, err, json_text, shown, visible
-from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, UsageError
+from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, ResourceError, UsageError
 from klevict_cli.files import (
     CLOSED_PIPE,
     STDOUT_NAME,
@@ -801,6 +801,12 @@ def check_unquoted(caches: list[Path], question: str) -> None:
 def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:
     """Answer each question from one loaded cache; --json lines carry `tag` (which cache) first."""
     budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
+    for i, q in enumerate(questions):  # one too long is said before any is answered (not after half of them)
+        try:
+            session.fitting_question(stream, q, meta["position_mode"])
+        except ResourceError as exc:
+            which = f"question {i + 1} of {len(questions)} on standard input: " if len(questions) > 1 else ""
+            raise ResourceError(f"{which}{exc}") from None
     for i, q in enumerate(questions):
         if len(questions) > 1 and not opts["json"]:  # answers hold blank lines: say where each one begins
             echo(("\n" if i else "") + f"Q: {' '.join(q.split())}")

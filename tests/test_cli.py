@@ -790,6 +790,19 @@ def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
     assert "--position-mode compact" in after and "smaller" not in after  # in original mode a budget won't help
 
 
+def test_a_too_long_question_on_stdin_is_refused_before_any_answer(compressed, model):
+    """Questions 1 and 3 fit, question 2 does not: it stopped the run after answer 1, and question 3 was never asked
+    (nor said to be lost). Every question is checked before the first answer; a folder fails the cache at once."""
+    questions = f"{QUESTIONS[0]}\n\n{'fox ' * 3000}\n{QUESTIONS[1]}\n"
+    line = assert_error(invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json", input=questions), 6,
+                        "question 2 of 3 on standard input: ", "on its own")
+    assert "Q: " not in line
+    folder = invoke("ask", compressed[0].parent, "-", "--model", model, *GEN, "--json", input=questions)
+    rows = [json.loads(line) for line in folder.stdout.splitlines()]
+    assert folder.exit_code == 8 and [row["status"] for row in rows] == ["failed"], _show(folder)
+    assert "question 2 of 3" in rows[0]["message"]
+
+
 def test_ask_after_one_middle_weight_changed_is_refused(doc, work, tmp_path):
     """A fine-tune's smallest edit — one element of one middle layer — is another model: its answers from a cache
     made by the base model would be wrong without a word."""
