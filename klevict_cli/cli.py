@@ -399,7 +399,9 @@ def note(opts: dict, message: str) -> None:
         say(message)
 
 
-def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
+def read_document(opts: dict, source: str, prompt: str | None = None, reconstruct_default: bool = False):
+    """Read `source` as the options say. `prompt`: the instruction that will follow the document (summarize), for
+    which the read leaves room."""
     from klevict_cli.documents import load_document
 
     read_options(opts, reconstruct_default)  # a bad option is exit 2 before the document is read
@@ -408,6 +410,7 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in document.notes:
         note(opts, f"note: {line}")
     session = session_for(opts)
+    reserve = None if prompt is None else prompt_room(session, prompt, opts["max_new_tokens"])
     prepare_session(session, settings)
     # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
     prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
@@ -422,6 +425,19 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in result.notes + below_floor(result) + beyond_tolerance(result, opts.get("max_kl")):
         note(opts, f"note: {line}")
     return session, result
+
+
+def prompt_room(session, prompt: str, max_new_tokens: int) -> int:
+    """The positions a read leaves for `prompt` and its answer: as for a question (QUESTION_ROOM) or, for a longer
+    prompt, its length, so that `auto` reads in compact positions rather than fail at the answer. A prompt that can
+    never fit is refused before a read that may take minutes."""
+    from klevict_cli.session import QUESTION_ROOM
+
+    length, positions = len(session.frame.suffix_ids(session.lm.tokenizer, prompt)), session.adapter.max_positions
+    if length >= positions:
+        raise ResourceError(f"--prompt is {length} tokens with the chat frame, more than the model's {positions}"
+                            " positions on its own; shorten it")
+    return max(length, QUESTION_ROOM) + max_new_tokens
 
 
 def beyond_tolerance(result, max_kl: float | None) -> list[str]:
@@ -557,7 +573,7 @@ def summarize(
     check_answer_length(opts)
     prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] is not None \
         else DEFAULT_SUMMARY_PROMPT
-    session, result = read_document(opts, file, reconstruct_default=False)
+    session, result = read_document(opts, file, prompt=prompt_text, reconstruct_default=False)
     if not opts["json"] and (result.stream.drift is not None or opts.get("max_kl") is not None):
         # asked for (--estimate, --max-kl) and paid for: said, as compress's line says it (--json carries it)
         note(opts, f"note: kept {counted(result.kept_budget, 'entry', 'entries')} per KV head"

@@ -235,6 +235,22 @@ def test_summarize_prompt_changes_the_question(doc, other_model):
     assert summary("--prompt", QUESTIONS[0]) == asked[0]  # and deterministic
 
 
+def test_summarize_leaves_room_for_a_long_prompt(doc, model, monkeypatch):
+    """The read left a question's room (256 tokens) whatever the prompt: a 1,700-token prompt after a 430-token
+    document in the tiny model's 2,048 positions failed after the read ("recompress with --position-mode compact").
+    `auto` now reads in compact positions; a prompt longer than the positions is refused before the read."""
+    from klevict_cli.prompts import encode_text
+    from klevict_cli.session import Session
+
+    per_word = len(encode_text(make_tokenizer(), "fox " * 100)) / 100
+    prompt = "fox " * int(1700 / per_word)
+    data = json_out(invoke("summarize", doc, "--model", model, *FAST, *GEN, "--prompt", prompt, "--json"))
+    assert data["position_mode"] == "compact"
+    monkeypatch.setattr(Session, "read", lambda *args, **kwargs: pytest.fail("read before refusing the prompt"))
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, *GEN, "--prompt", "fox " * 3000), 6,
+                 "--prompt is", "on its own")
+
+
 # ---- compress --------------------------------------------------------------------------------------------------
 def test_compress_writes_the_file_and_one_line(doc, model, tmp_path):
     out = tmp_path / "doc.kvc"
