@@ -181,6 +181,11 @@ def load_config(path: Path | None) -> dict:
     return config
 
 
+# PyYAML reads YAML 1.1, whose floats need a decimal point: `max-kl: 1e-2` came as the string '1e-2', refused though
+# `--max-kl 1e-2` is a number. A float option takes such a string as the number it is.
+_EXPONENT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
 def _check_config_value(where: str, key: object, name: str, value: object) -> object:
     expected = OPTION_TYPES[name]
     wrong = UsageError(f"{where}: key '{key}' must be {TYPE_NAMES[expected]}, got {_describe(value)}")
@@ -193,6 +198,7 @@ def _check_config_value(where: str, key: object, name: str, value: object) -> ob
         if not isinstance(value, int):
             raise wrong
     elif expected is float:
+        value = float(value) if isinstance(value, str) and _EXPONENT.fullmatch(value) else value
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise wrong
         value = float(value)
@@ -216,6 +222,9 @@ def _describe(value: object) -> str:
     return f"{value!r}"
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently: a user who
     wrote `budget:` twice would not know which one counts)."""
@@ -223,6 +232,8 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:
+                continue  # `<<: *defaults`: merged by the safe loader; the mapping's own keys win over merged ones
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # not an option name: refused later as an unknown key

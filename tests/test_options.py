@@ -180,6 +180,24 @@ def test_numbers_are_taken_for_string_options(tmp_path, text, expected):
     assert parse_budget(expected)
 
 
+@pytest.mark.parametrize(("text", "expected"), [("max-kl: 1e-2", 0.01), ("temperature: 2E+0", 2.0),
+                                               ("top-p: .5e0", 0.5), ("max-kl: -1.5e-3", -0.0015)])
+def test_a_float_in_exponent_form_is_a_number(tmp_path, text, expected):
+    """YAML 1.1 reads 1e-2 as a string (its floats need a point): `max-kl: 1e-2` was refused as not a number though
+    `--max-kl 1e-2` is one."""
+    key, _, _ = text.partition(":")
+    assert load_config(config_file(tmp_path, text)) == {key.replace("-", "_"): expected}
+    assert "must be a string" in config_error(tmp_path, "model: [1e-2]")
+    assert load_config(config_file(tmp_path, "prompt: 1e-2")) == {"prompt": "1e-2"}  # a string option keeps it
+
+
+def test_a_merge_key_merges_and_the_mapping_overrides(tmp_path):
+    """`<<:` (YAML's merge key) failed as malformed YAML: "could not determine a constructor for the tag"."""
+    text = "<<: {seed: 1, max-new-tokens: 3}\nseed: 2\n"
+    assert load_config(config_file(tmp_path, text)) == {"seed": 2, "max_new_tokens": 3}
+    assert "unknown key 'x'" in config_error(tmp_path, "<<: {x: 1}\n")
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n"])
 def test_empty_config(tmp_path, text):
     assert load_config(config_file(tmp_path, text)) == {}
