@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import Count, TextStream, counted, drift_words, err, json_text, shown, visible
+from klevict_cli.display import (Count, TextStream, counted, drift_against, drift_words, err, json_text, shown,
+                                 visible)
 from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, ResourceError, UsageError
 from klevict_cli.files import (
     CLOSED_PIPE,
@@ -733,8 +734,12 @@ def sliding_words(session, result) -> str:
 
 
 def drift_text(drift: dict | None) -> str:
-    """A compress line's end: the cache's estimated drift, where it was measured."""
-    return "" if drift is None else f"; estimated drift {drift_words(drift)}"
+    """A compress line's end: the cache's estimated drift, where it was measured, and against what where that was
+    not the whole read (a compact read's estimate leaves out its earlier evictions: it reads low)."""
+    if drift is None:
+        return ""
+    partial = "" if drift.get("covers") == "read" else f", against {drift_against(drift)} alone"
+    return f"; estimated drift {drift_words(drift)}{partial}"
 
 
 def report_record(opts: dict, record: dict) -> None:

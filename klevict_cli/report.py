@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from klevict_cli.display import chosen_layers, drift_words, sliding_summary, visible
+from klevict_cli.display import chosen_layers, drift_against, drift_words, sliding_summary, visible
 from klevict_cli.errors import UsageError
 from klevict_cli.kvc import KvcFile, check_tokenizer, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
 from klevict_cli.options import parse_size
@@ -181,9 +181,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     if info["estimated_kl"] is not None:
         drift = info["estimated_kl"]
         # files written before the estimate covered the whole read say nothing of it: theirs is the last eviction's
-        against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
-        table.add_row("estimated drift", f"{drift_words(drift)}, KL against {against}, on {drift['drafts']} "
-                                         "drafted tokens")
+        table.add_row("estimated drift", f"{drift_words(drift)}, KL against {drift_against(drift)}, on "
+                                         f"{drift['drafts']} drafted tokens")
     elif meta.get("method", "none") != "none" and meta.get("budget_tokens", "all") != "all":
         table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "
                                          "measures it)")

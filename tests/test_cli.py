@@ -302,6 +302,19 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert drift["covers"] == "read" and "whole" in plain.stdout  # every eviction, not only the last
 
 
+def test_a_drift_of_the_last_eviction_alone_says_so_where_it_is_shown(doc, model, tmp_path):
+    """A compact read cannot set its evicted entries aside: its estimate is the last eviction's, which reads low. The
+    compress line gave the number as if it were the whole read's, and the HTML page said "against the full cache"."""
+    out, page = tmp_path / "c.kvc", tmp_path / "c.html"
+    args = ["compress", doc, "-o", out, "--model", model, "--budget", "16", "--working-limit", "32", *FAST,
+            "--position-mode", "compact", "--estimate"]
+    assert json_out(invoke(*args, "--json"))["estimated_kl"]["covers"] == "last eviction"
+    line = invoke(*args).stdout
+    assert line.rstrip().endswith(", against the cache before the last eviction alone"), line
+    assert_ok(invoke("inspect", out, "--html", page))
+    assert "KL against the cache before the last eviction)" in page.read_text(encoding="utf-8")
+
+
 def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model, tmp_path):
     """compress measures the drift by default only of a read long enough for the estimate to be cheap next to it
     (engine.drift_steps: 1,024 tokens); `inspect` says a shorter one's was not measured; --estimate measures it."""

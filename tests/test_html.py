@@ -82,7 +82,7 @@ def test_page_has_a_span_per_token_shaded_by_the_share_that_kept_it(kvc_path, tm
     text = "".join(page.text)
     assert "Ishmael" in text and "went home for supper." in text
     drift = json.loads(kvc.metadata["estimated_kl"])  # and how far the cache moved the model, in words
-    assert f"Estimated drift (mean next-token KL against the full cache): {drift['kl']:.3g}" in text
+    assert f"Estimated drift (mean next-token KL against the whole read's cache): {drift['kl']:.3g}" in text
     assert "80 % range" in text
     per_layer = [int(layer.lengths.sum()) for layer in kvc.layers]
     widths = [a["style"] for tag, a in page.tags if a.get("class") == "bar"]
