@@ -202,7 +202,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     for i, counts in enumerate(info["kept_per_layer"]):
         layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
     console.print(layers)
-    if rendered is not None and console.is_terminal:
+    if rendered is not None and console.is_terminal and console.color_system is not None:
+        # a terminal that shows no styles (TERM=dumb) would show the text unmarked: it gets a pipe's marks
         console.print(LEGEND)
         console.print(styled(rendered))
     elif rendered is not None:

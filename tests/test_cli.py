@@ -1004,6 +1004,17 @@ def test_inspect_text_on_a_terminal_has_colours_and_a_legend(compressed, monkeyp
     assert "\x1b[" in drawn and "⟦" not in drawn
 
 
+def test_inspect_text_on_a_terminal_without_styles_marks_the_kept_spans(compressed, monkeypatch):
+    """TERM=dumb: rich draws no bold and no colour, and the text came out unmarked under a legend that said bold."""
+    from rich.console import Console
+
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setattr(cli, "out", Console(file=io.StringIO(), force_terminal=True, width=150, highlight=False))
+    assert_ok(invoke("inspect", compressed[0], "--text"))
+    drawn = cli.out.file.getvalue()
+    assert "\x1b[" not in drawn and "legend: ⟦kept by half the KV heads or more⟧" in drawn and drawn.count("⟦") > 1
+
+
 HOSTILE = "[bold red]red[/] [link=https://evil.example]click[/link] \x1b]0;pwned\x07\x1b[2J\u202eevil\x9b31m"
 
 
