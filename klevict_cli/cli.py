@@ -964,7 +964,7 @@ def inspect(
                                                    "kept it, kept entries per layer, the metadata.")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Tokenizer for --text and --html (default: "
                                               "the model that made the cache).")] = None,
-    json_out: JsonOpt = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None,
 ):
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
@@ -975,7 +975,7 @@ def inspect(
         check_destination(html_path, "--html", inputs=[cache_file], replaces=("an HTML page", is_html_file))
     decode = text or html_path is not None
     model = (model or model_of(cache_file)) if decode else None
-    html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
+    html_out = functools.partial(write_output, {"quiet": bool(quiet)}, "--html", html_path) if html_path else None
     inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model, html_out=html_out)
 
 
