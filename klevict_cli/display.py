@@ -106,7 +106,7 @@ class TextStream:
 
     def update(self, tokens: list[int]) -> str:
         """The new text since the last call."""
-        ready = self.tokenizer.decode(tokens, skip_special_tokens=True).strip().removesuffix("\ufffd")
+        ready = self.tokenizer.decode(tokens, skip_special_tokens=True).strip().removesuffix("\ufffd").rstrip()
         if not ready.startswith(self.shown):  # the tokenizer re-spaced earlier text: wait for `finish`
             return ""
         new, self.shown = ready[len(self.shown):], ready

@@ -365,8 +365,9 @@ class Session:
             if ended is not None:
                 break
         total = time.perf_counter() - start
-        if ended is None:
+        if ended is None:  # cut by the limit, maybe inside a character: its first bytes alone decode to U+FFFD
             ended = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+            ended = ended.removesuffix("\ufffd") if len(tokens) >= max_new else ended
         else:  # the tokens that hold the answer: a token the stop text begins inside counts
             tokens = tokens[:len(shown) + (self.lm.tokenizer.decode(shown, skip_special_tokens=True) != ended)]
         return {

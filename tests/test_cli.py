@@ -806,6 +806,21 @@ def test_ask_never_fetches_a_hub_model_a_cache_names(kvc_copy, monkeypatch):
     assert_error(invoke("ask", kvc_copy, QUESTIONS[0], *GEN), 5, "some-org/some-model", "pass --model")
 
 
+def test_an_answer_cut_inside_a_character_ends_before_it(compressed, model, monkeypatch):
+    """--max-new-tokens (or the positions) may stop a byte-level tokenizer between a character's bytes: the answer
+    ended in U+FFFD (a long Moby Dick answer cut at 3,390 tokens ended in '�')."""
+    from klevict_cli.session import Engine
+
+    ids = make_tokenizer()("So ψ", add_special_tokens=False)["input_ids"]
+    assert make_tokenizer().decode(ids[:-1]).endswith("\ufffd")  # ψ's two bytes are two tokens
+    monkeypatch.setattr(Engine, "generate", lambda self, *args, **kwargs: iter(ids[:-1]))
+    gen = ["--max-new-tokens", str(len(ids) - 1)]
+    assert json_out(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *gen, "--json"))["answer"] == "So"
+    plain = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *gen)
+    assert_ok(plain)
+    assert plain.stdout == "So\n"
+
+
 def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
     """The tiny model has 2,048 positions and the cache ends near 430 (original positions)."""
     from klevict_cli.prompts import encode_text
