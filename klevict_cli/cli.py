@@ -428,6 +428,14 @@ def read_document(opts: dict, source: str, prompt: str | None = None, reconstruc
     return session, result
 
 
+def unused_by_full_cache(opts: dict) -> None:
+    """--method none keeps every entry: a --budget, --working-limit or --estimate given beside it does nothing, and
+    is said rather than dropped (--max-kl and --max-bytes, which choose the size, are refused)."""
+    given = [f"--{name.replace('_', '-')}" for name in ("budget", "working_limit", "estimate") if opts.get(name)]
+    if opts["method"] == "none" and given:
+        note(opts, f"note: --method none keeps every entry: {', '.join(given)} not used")
+
+
 def prompt_room(session, prompt: str, max_new_tokens: int) -> int:
     """The positions a read leaves for `prompt` and its answer: as for a question (QUESTION_ROOM) or, for a longer
     prompt, its length, so that `auto` reads in compact positions rather than fail at the answer. A prompt that can
@@ -572,6 +580,7 @@ def summarize(
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_answer_length(opts)
+    unused_by_full_cache(opts)
     prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] is not None \
         else DEFAULT_SUMMARY_PROMPT
     session, result = read_document(opts, file, prompt=prompt_text, reconstruct_default=False)
@@ -627,6 +636,7 @@ def compress(
                            quiet=quiet, output=output, max_memory=max_memory, working_limit=working_limit,
                            reconstruct=reconstruct, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_choice("engine", engine, ("local", "ray"))
+    unused_by_full_cache(opts)
     if workers is not None:
         check_positive_int("workers", workers)
         if engine != "ray":  # the local engine reads one document at a time: a count it would ignore is refused

@@ -963,6 +963,18 @@ def test_inspect_json(compressed):
     assert 64 <= info["tokens_kept_anywhere"] <= info["tokens"]
 
 
+def test_options_a_full_cache_does_not_use_are_said(doc, model, tmp_path):
+    """--method none with --budget 5% wrote the full cache without a word (--max-kl and --max-bytes are refused)."""
+    args = ["--model", model, "--method", "none", *FAST]
+    result = invoke("compress", doc, "-o", tmp_path / "full.kvc", *args, "--budget", "5%", "--estimate")
+    assert_ok(result)
+    assert "note: --method none keeps every entry: --budget, --estimate not used" in result.stderr
+    summary = invoke("summarize", doc, *args, *GEN, "--working-limit", "2x")
+    assert_ok(summary)
+    assert "--working-limit not used" in summary.stderr
+    assert "note:" not in invoke("compress", doc, "-o", tmp_path / "full.kvc", *args).stderr
+
+
 def test_inspect_full_cache_keeps_everything(doc, model, tmp_path):
     out = tmp_path / "full.kvc"
     assert_ok(invoke("compress", doc, "-o", out, "--model", model, "--method", "none", *FAST))
