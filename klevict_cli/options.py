@@ -5,6 +5,7 @@ Every bad value is a ``UsageError`` whose one-line message names the option and 
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections.abc import Collection
@@ -215,10 +216,17 @@ def _check_config_value(where: str, key: object, name: str, value: object) -> ob
 
 
 def _describe(value: object) -> str:
+    """A config value as YAML wrote it, not as Python prints it (`True`, `datetime.date(2020, 1, 1)`, `b'...'`)."""
     if value is None:
         return "no value"
     if isinstance(value, dict | list):
         return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    if isinstance(value, bool):  # `device: off` is YAML's false
+        return f"{str(value).lower()} (YAML reads yes, no, on and off as true or false: quote the value)"
+    if isinstance(value, datetime.date):  # `prompt: 2020-01-01`
+        return f"a date ({value}: quote the value)"
+    if isinstance(value, bytes):
+        return "a binary value (!!binary)"
     return f"{value!r}"
 
 

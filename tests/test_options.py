@@ -230,6 +230,17 @@ def test_wrong_type_names_key_and_type(tmp_path, text, key, expected):
     assert f"key '{key}'" in message and f"must be {expected}" in message
 
 
+@pytest.mark.parametrize(("text", "shown"), [
+    ("device: off", "got false (YAML reads yes, no, on and off as true or false: quote the value)"),
+    ("prompt: 2020-01-01", "got a date (2020-01-01: quote the value)"),
+    ("model: 2020-01-01 10:00:00", "got a date (2020-01-01 10:00:00: quote the value)"),
+    ("budget: !!binary aGVsbG8=", "got a binary value (!!binary)"),
+])
+def test_a_wrong_value_is_shown_as_yaml_wrote_it(tmp_path, text, shown):
+    """Not as Python prints it: `got False`, `got datetime.date(2020, 1, 1)`, `got b'hello'`."""
+    assert config_error(tmp_path, text).endswith(shown)
+
+
 def test_position_mode_choice_is_checked(tmp_path):
     message = config_error(tmp_path, "position_mode: sideways")
     assert "key 'position_mode' must be one of: auto, original, compact; got 'sideways'" in message
