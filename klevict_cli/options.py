@@ -152,6 +152,8 @@ def load_config(path: Path | None) -> dict:
     if path is None:
         return {}
     where = f"config file {path}"
+    if str(path) == "-":  # it was "no such file"
+        raise UsageError(f"{where}: give a file; - reads standard input for documents and questions only")
     try:
         source = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

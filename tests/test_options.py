@@ -270,6 +270,11 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_config_from_a_dash_says_it_needs_a_file():
+    with pytest.raises(UsageError, match="config file -: give a file; - reads standard input for documents"):
+        load_config("-")
+
+
 def test_config_directory(tmp_path):
     with pytest.raises(UsageError, match="is a directory"):
         load_config(tmp_path)
