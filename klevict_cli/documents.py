@@ -302,7 +302,7 @@ def _decode_utf8(name: str, chunks: Iterator[bytes]) -> tuple[str, tuple[str, ..
 
 
 def _share_not_utf8(bad: int, total: int) -> str:
-    """'1 of its 40 bytes is not UTF-8' (it said 'are'), '3 of its 40 bytes are not UTF-8'."""
+    """'1 of its 40 bytes is not UTF-8', '3 of its 40 bytes are not UTF-8'."""
     return f"{bad} of its {total} bytes {'is' if bad == 1 else 'are'} not UTF-8"
 
 

@@ -152,7 +152,7 @@ def load_config(path: Path | None) -> dict:
     if path is None:
         return {}
     where = f"config file {path}"
-    if str(path) == "-":  # it was "no such file"
+    if str(path) == "-":  # not a missing file named "-": standard input holds a document or questions
         raise UsageError(f"{where}: give a file; - reads standard input for documents and questions only")
     try:
         source = Path(path).read_text(encoding="utf-8")
