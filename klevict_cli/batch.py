@@ -171,17 +171,19 @@ def plan_sources(paths: list[str], shard: tuple[int, int] | None, folder: Path |
 
 
 def cache_paths(args: Iterable[Path]) -> list[Path]:
-    """The caches `ask` answers from: `.kvc` files as given, and the `.kvc` files in each folder, by name."""
-    caches: list[Path] = []
+    """The caches `ask` answers from: `.kvc` files as given, and the `.kvc` files in each folder, by name; each once
+    (`ask caches/ caches/a.kvc` answered a.kvc twice, as `compress` reads a document named twice once)."""
+    caches: dict[Path, Path] = {}
     for arg in args:
         if arg.is_dir():
             found = sorted(arg.glob("*.kvc"))
             if not found:
                 raise CacheFileError(f"{arg}: is a folder with no .kvc files in it")
-            caches.extend(found)
         else:
-            caches.append(arg)
-    return caches
+            found = [arg]
+        for path in found:
+            caches.setdefault(path.resolve(), path)
+    return list(caches.values())
 
 
 # ---- the worker: bytes in, .kvc bytes out ----------------------------------------------------------------------

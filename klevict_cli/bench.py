@@ -763,7 +763,7 @@ def _method_table(console: Console, block: dict, labels: list[str], cell, title:
     """One table: a row per method, a column per budget; `cell(row, label)` formats a budget's numbers and, given a
     `metric`, the best mean per column is marked."""
     table = Table(title=title, caption=caption or None)
-    table.add_column("method")
+    table.add_column("method", no_wrap=True)
     for header in headers or labels:
         table.add_column(header, justify="right")
     best = _best(block, metric, lower) if metric else {}

@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from klevict_cli import __version__
-from klevict_cli.display import Count, TextStream, counted, drift_words, err, json_text, shown, visible
-from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, UsageError
+from klevict_cli.display import (Count, TextStream, counted, drift_against, drift_words, err, json_text, shown,
+                                 visible)
+from klevict_cli.errors import DocumentError, KlevictError, ModelError, OutputError, ResourceError, UsageError
 from klevict_cli.files import (
     CLOSED_PIPE,
     STDOUT_NAME,
@@ -399,7 +400,9 @@ def note(opts: dict, message: str) -> None:
         say(message)
 
 
-def read_document(opts: dict, source: str, reserve: int | None = None, reconstruct_default: bool = False):
+def read_document(opts: dict, source: str, prompt: str | None = None, reconstruct_default: bool = False):
+    """Read `source` as the options say. `prompt`: the instruction that will follow the document (summarize), for
+    which the read leaves room."""
     from klevict_cli.documents import load_document
 
     read_options(opts, reconstruct_default)  # a bad option is exit 2 before the document is read
@@ -408,6 +411,7 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in document.notes:
         note(opts, f"note: {line}")
     session = session_for(opts)
+    reserve = None if prompt is None else prompt_room(session, prompt, opts["max_new_tokens"])
     prepare_session(session, settings)
     # Counted in document tokens, as every report of the read is, not with the chat frame's prefix.
     prefix = len(session.frame.prefix_ids(session.lm.tokenizer))
@@ -422,6 +426,27 @@ def read_document(opts: dict, source: str, reserve: int | None = None, reconstru
     for line in result.notes + below_floor(result) + beyond_tolerance(result, opts.get("max_kl")):
         note(opts, f"note: {line}")
     return session, result
+
+
+def unused_by_full_cache(opts: dict) -> None:
+    """--method none keeps every entry: a --budget, --working-limit or --estimate given beside it does nothing, and
+    is said rather than dropped (--max-kl and --max-bytes, which choose the size, are refused)."""
+    given = [f"--{name.replace('_', '-')}" for name in ("budget", "working_limit", "estimate") if opts.get(name)]
+    if opts["method"] == "none" and given:
+        note(opts, f"note: --method none keeps every entry: {', '.join(given)} not used")
+
+
+def prompt_room(session, prompt: str, max_new_tokens: int) -> int:
+    """The positions a read leaves for `prompt` and its answer: as for a question (QUESTION_ROOM) or, for a longer
+    prompt, its length, so that `auto` reads in compact positions rather than fail at the answer. A prompt that can
+    never fit is refused before a read that may take minutes."""
+    from klevict_cli.session import QUESTION_ROOM
+
+    length, positions = len(session.frame.suffix_ids(session.lm.tokenizer, prompt)), session.adapter.max_positions
+    if length >= positions:
+        raise ResourceError(f"--prompt is {length} tokens with the chat frame, more than the model's {positions}"
+                            " positions on its own; shorten it")
+    return max(length, QUESTION_ROOM) + max_new_tokens
 
 
 def beyond_tolerance(result, max_kl: float | None) -> list[str]:
@@ -555,9 +580,10 @@ def summarize(
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
                            max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_answer_length(opts)
+    unused_by_full_cache(opts)
     prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] is not None \
         else DEFAULT_SUMMARY_PROMPT
-    session, result = read_document(opts, file, reconstruct_default=False)
+    session, result = read_document(opts, file, prompt=prompt_text, reconstruct_default=False)
     if not opts["json"] and (result.stream.drift is not None or opts.get("max_kl") is not None):
         # asked for (--estimate, --max-kl) and paid for: said, as compress's line says it (--json carries it)
         note(opts, f"note: kept {counted(result.kept_budget, 'entry', 'entries')} per KV head"
@@ -610,6 +636,7 @@ def compress(
                            quiet=quiet, output=output, max_memory=max_memory, working_limit=working_limit,
                            reconstruct=reconstruct, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
     check_choice("engine", engine, ("local", "ray"))
+    unused_by_full_cache(opts)
     if workers is not None:
         check_positive_int("workers", workers)
         if engine != "ray":  # the local engine reads one document at a time: a count it would ignore is refused
@@ -717,8 +744,12 @@ def sliding_words(session, result) -> str:
 
 
 def drift_text(drift: dict | None) -> str:
-    """A compress line's end: the cache's estimated drift, where it was measured."""
-    return "" if drift is None else f"; estimated drift {drift_words(drift)}"
+    """A compress line's end: the cache's estimated drift, where it was measured, and against what where that was
+    not the whole read (a compact read's estimate leaves out its earlier evictions: it reads low)."""
+    if drift is None:
+        return ""
+    partial = "" if drift.get("covers") == "read" else f", against {drift_against(drift)} alone"
+    return f"; estimated drift {drift_words(drift)}{partial}"
 
 
 def report_record(opts: dict, record: dict) -> None:
@@ -801,6 +832,12 @@ def check_unquoted(caches: list[Path], question: str) -> None:
 def answer_all(opts: dict, session, stream, meta: dict, questions: list[str], **tag) -> None:
     """Answer each question from one loaded cache; --json lines carry `tag` (which cache) first."""
     budget = None if meta.get("budget_tokens", "all") == "all" else int(meta["budget_tokens"])
+    for i, q in enumerate(questions):  # one too long is said before any is answered (not after half of them)
+        try:
+            session.fitting_question(stream, q, meta["position_mode"])
+        except ResourceError as exc:
+            which = f"question {i + 1} of {len(questions)} on standard input: " if len(questions) > 1 else ""
+            raise ResourceError(f"{which}{exc}") from None
     for i, q in enumerate(questions):
         if len(questions) > 1 and not opts["json"]:  # answers hold blank lines: say where each one begins
             echo(("\n" if i else "") + f"Q: {' '.join(q.split())}")
@@ -937,7 +974,7 @@ def inspect(
                                                    "kept it, kept entries per layer, the metadata.")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Tokenizer for --text and --html (default: "
                                               "the model that made the cache).")] = None,
-    json_out: JsonOpt = None,
+    json_out: JsonOpt = None, quiet: QuietOpt = None,
 ):
     """Show what a .kvc file kept, where, and how big it is."""
     from klevict_cli.report import inspect_file
@@ -948,7 +985,7 @@ def inspect(
         check_destination(html_path, "--html", inputs=[cache_file], replaces=("an HTML page", is_html_file))
     decode = text or html_path is not None
     model = (model or model_of(cache_file)) if decode else None
-    html_out = functools.partial(write_output, {"quiet": False}, "--html", html_path) if html_path else None
+    html_out = functools.partial(write_output, {"quiet": bool(quiet)}, "--html", html_path) if html_path else None
     inspect_file(cache_file, text=text, as_json=bool(json_out), console=out, model=model, html_out=html_out)
 
 

@@ -296,10 +296,14 @@ def _decode_utf8(name: str, chunks: Iterator[bytes]) -> tuple[str, tuple[str, ..
         return _BAD_BYTE.sub("\ufffd", text), (f"{name}: {shown} not valid UTF-8 (the first, {where}); read as"
                                                 " U+FFFD (\ufffd)",)
     if _binary(tally.bad, tally.controls, tally.chars):
-        raise DocumentError(f"{name}: looks like a binary file, not text ({tally.bad} of its {offset} bytes are not"
-                            " UTF-8)")
-    raise DocumentError(f"{name}: is not UTF-8 ({where}; {tally.bad} of its {offset} bytes are not UTF-8);"
-                        " convert it first, e.g. iconv -f ITS-ENCODING -t UTF-8")
+        raise DocumentError(f"{name}: looks like a binary file, not text ({_share_not_utf8(tally.bad, offset)})")
+    raise DocumentError(f"{name}: is not UTF-8 ({where}; {_share_not_utf8(tally.bad, offset)}); convert it first,"
+                        " e.g. iconv -f ITS-ENCODING -t UTF-8")
+
+
+def _share_not_utf8(bad: int, total: int) -> str:
+    """'1 of its 40 bytes is not UTF-8', '3 of its 40 bytes are not UTF-8'."""
+    return f"{bad} of its {total} bytes {'is' if bad == 1 else 'are'} not UTF-8"
 
 
 # ---- bounded reading ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 
-from klevict_cli.display import chosen_layers, drift_words, sliding_summary, visible
+from klevict_cli.display import chosen_layers, drift_against, drift_words, sliding_summary, visible
 
 SHADES = 10  # shading classes s1..s10 for tokens kept by some slot; s0: evicted by every slot
 LONG_VALUE = 240  # metadata values are cut to this many characters on the page (the file has them whole)
@@ -59,7 +59,7 @@ def page(info: dict, pieces: list[tuple[str, float]]) -> str:
     chosen = esc(chosen_layers(info))  # which layers the kept tokens count, where some slide
     sliding = f" {esc(sliding_summary(info['sliding_layers'], len(layers)))}." if info["sliding_layers"] else ""
     drift = info["estimated_kl"]
-    moved = "" if drift is None else (f"\nEstimated drift (mean next-token KL against the full cache): "
+    moved = "" if drift is None else (f"\nEstimated drift (mean next-token KL against {drift_against(drift)}): "
                                       f"{esc(drift_words(drift))}.")
     return f"""<!DOCTYPE html>
 <html lang="en">

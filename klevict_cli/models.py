@@ -151,8 +151,7 @@ def _converted_parts(alias: str, quiet: bool) -> Path:
     if (target / "config.json").is_file():
         return target
     parts = _packaged_parts(alias)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{Path(entry.file).stem}.", suffix=".gguf.tmp", dir=target.parent))
+    scratch = _scratch_beside(target, f".{Path(entry.file).stem}.", ".gguf.tmp")
     try:
         gguf = scratch / entry.file
         digest = hashlib.sha256()
@@ -193,8 +192,7 @@ def converted_folder(gguf: Path, quiet: bool = False, sha256: str | None = None)
     console = Console(stderr=True, quiet=quiet)
     _say(console, f"converting {gguf.name} once (about 30 s) into {target}")
     started = time.monotonic()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    building = _scratch_beside(target, f".{target.name}.", ".tmp")
     try:
         _convert_gguf(gguf, building)
         publish_folder(building, target)
@@ -202,6 +200,17 @@ def converted_folder(gguf: Path, quiet: bool = False, sha256: str | None = None)
         shutil.rmtree(building, ignore_errors=True)
     _say(console, f"converted in {time.monotonic() - started:.0f} s")
     return target
+
+
+def _scratch_beside(target: Path, prefix: str, suffix: str) -> Path:
+    """A new temporary folder beside `target`, creating the cache folder first. A cache folder that cannot be made
+    or written (a file in its path, a read-only home) is a model that cannot be loaded, said in one line."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=target.parent))
+    except OSError as exc:
+        raise ModelError(f"cannot write converted model to {target.parent}: {exc.strerror or _short_reason(exc)};"
+                         " set KLEVICT_CACHE_DIR to a folder you can write") from None
 
 
 def _say(console: Console, text: str) -> None:

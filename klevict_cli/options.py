@@ -5,6 +5,7 @@ Every bad value is a ``UsageError`` whose one-line message names the option and 
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections.abc import Collection
@@ -151,6 +152,8 @@ def load_config(path: Path | None) -> dict:
     if path is None:
         return {}
     where = f"config file {path}"
+    if str(path) == "-":  # not a missing file named "-": standard input holds a document or questions
+        raise UsageError(f"{where}: give a file; - reads standard input for documents and questions only")
     try:
         source = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -181,6 +184,11 @@ def load_config(path: Path | None) -> dict:
     return config
 
 
+# PyYAML reads YAML 1.1, whose floats need a decimal point: `max-kl: 1e-2` came as the string '1e-2', refused though
+# `--max-kl 1e-2` is a number. A float option takes such a string as the number it is.
+_EXPONENT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
 def _check_config_value(where: str, key: object, name: str, value: object) -> object:
     expected = OPTION_TYPES[name]
     wrong = UsageError(f"{where}: key '{key}' must be {TYPE_NAMES[expected]}, got {_describe(value)}")
@@ -193,6 +201,7 @@ def _check_config_value(where: str, key: object, name: str, value: object) -> ob
         if not isinstance(value, int):
             raise wrong
     elif expected is float:
+        value = float(value) if isinstance(value, str) and _EXPONENT.fullmatch(value) else value
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise wrong
         value = float(value)
@@ -209,11 +218,21 @@ def _check_config_value(where: str, key: object, name: str, value: object) -> ob
 
 
 def _describe(value: object) -> str:
+    """A config value as YAML wrote it, not as Python prints it (`True`, `datetime.date(2020, 1, 1)`, `b'...'`)."""
     if value is None:
         return "no value"
     if isinstance(value, dict | list):
         return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    if isinstance(value, bool):  # `device: off` is YAML's false
+        return f"{str(value).lower()} (YAML reads yes, no, on and off as true or false: quote the value)"
+    if isinstance(value, datetime.date):  # `prompt: 2020-01-01`
+        return f"a date ({value}: quote the value)"
+    if isinstance(value, bytes):
+        return "a binary value (!!binary)"
     return f"{value!r}"
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _UniqueKeys(yaml.SafeLoader):
@@ -223,6 +242,8 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:
+                continue  # `<<: *defaults`: merged by the safe loader; the mapping's own keys win over merged ones
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # not an option name: refused later as an unknown key

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from klevict_cli.display import chosen_layers, drift_words, sliding_summary, visible
+from klevict_cli.display import chosen_layers, drift_against, drift_words, sliding_summary, visible
 from klevict_cli.errors import UsageError
 from klevict_cli.kvc import KvcFile, check_tokenizer, check_vocabulary, float_itemsize, kv_bytes, load_kvc, quantized, width
 from klevict_cli.options import parse_size
@@ -162,7 +162,10 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
         console.file.write(json.dumps(info) + "\n")
         return
     meta = info["metadata"]
-    table = Table(title=Text(visible(str(path))), show_header=False)
+    console.print(Text(visible(str(path))), soft_wrap=True)  # whole, as a line: a table's title crops a long path
+    table = Table(show_header=False)
+    for _ in ("key", "value"):  # a narrow or piped output folds a long name or path; an ellipsis would lose it
+        table.add_column(overflow="fold")
     limited = "max_bytes" in meta or "max_kl" in meta
     for key in ("model_id", "method", "budget", "budget_tokens", "max_kl", "max_bytes", "kept_budget",
                 "position_mode", "prefix_tokens", "document_tokens", "next_position", "chunk_size", "cache_dtype",
@@ -178,9 +181,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     if info["estimated_kl"] is not None:
         drift = info["estimated_kl"]
         # files written before the estimate covered the whole read say nothing of it: theirs is the last eviction's
-        against = "the whole read's cache" if drift.get("covers") == "read" else "the cache before the last eviction"
-        table.add_row("estimated drift", f"{drift_words(drift)}, KL against {against}, on {drift['drafts']} "
-                                         "drafted tokens")
+        table.add_row("estimated drift", f"{drift_words(drift)}, KL against {drift_against(drift)}, on "
+                                         f"{drift['drafts']} drafted tokens")
     elif meta.get("method", "none") != "none" and meta.get("budget_tokens", "all") != "all":
         table.add_row("estimated drift", "not measured (by default only from 1,024 tokens read; compress --estimate "
                                          "measures it)")
@@ -200,7 +202,8 @@ def inspect_file(path: Path, text: bool, as_json: bool, console: Console, model:
     for i, counts in enumerate(info["kept_per_layer"]):
         layers.add_row(str(i), " ".join(str(c) for c in counts), str(sum(counts)))
     console.print(layers)
-    if rendered is not None and console.is_terminal:
+    if rendered is not None and console.is_terminal and console.color_system is not None:
+        # a terminal that shows no styles (TERM=dumb) would show the text unmarked: it gets a pipe's marks
         console.print(LEGEND)
         console.print(styled(rendered))
     elif rendered is not None:

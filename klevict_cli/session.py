@@ -343,11 +343,8 @@ class Session:
         turn (`settled_tokens`). `on_token` sees the answer's final tokens so far after each one (to print them as
         they come). Returns text, token counts and timings."""
         work = stream.clone()
-        suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
-        room = self.adapter.max_positions - work.next_rope - len(suffix)
-        if room < 1:
-            raise ResourceError(no_room(len(suffix), work.next_rope, self.adapter.max_positions, mode))
-        max_new = min(gen.max_new_tokens, room)
+        suffix = self.fitting_question(stream, question, mode)
+        max_new = min(gen.max_new_tokens, self.adapter.max_positions - work.next_rope - len(suffix))
         # Compact mode: decode-phase eviction must leave every head short enough for the rest of the answer.
         head_cap = self.adapter.max_positions - max_new if mode == "compact" else None
         engine = Engine(self.lm.model, self.adapter, self.policy(method), budget, chunk_size=max(len(suffix), 1),
@@ -368,8 +365,9 @@ class Session:
             if ended is not None:
                 break
         total = time.perf_counter() - start
-        if ended is None:
+        if ended is None:  # cut by the limit, maybe inside a character: its first bytes alone decode to U+FFFD
             ended = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+            ended = ended.removesuffix("\ufffd") if len(tokens) >= max_new else ended
         else:  # the tokens that hold the answer: a token the stop text begins inside counts
             tokens = tokens[:len(shown) + (self.lm.tokenizer.decode(shown, skip_special_tokens=True) != ended)]
         return {
@@ -380,6 +378,14 @@ class Session:
             "truncated_to_fit": max_new < gen.max_new_tokens,
             "token_room": max_new,  # the answer's limit: --max-new-tokens, or the model's positions left
         }
+
+    def fitting_question(self, stream: Stream, question: str, mode: str) -> list[int]:
+        """The question's tokens in the frame, refused where they leave no room for an answer after `stream` (to
+        check every question before the first is answered)."""
+        suffix = self.frame.suffix_ids(self.lm.tokenizer, question)
+        if self.adapter.max_positions - stream.next_rope - len(suffix) < 1:
+            raise ResourceError(no_room(len(suffix), stream.next_rope, self.adapter.max_positions, mode))
+        return suffix
 
     def settled_tokens(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """The answer so far as far as it is final (`PromptFrame.settled`): the longest start of `tokens` whose text

@@ -362,6 +362,14 @@ def test_ask_several_files_plain_output_names_each_cache(outdir):
     assert [Path(h.split()[1]).name for h in headers] == ["doc1.kvc", "doc0.kvc"]
 
 
+def test_ask_answers_a_cache_named_twice_once(outdir):
+    """A folder and a file in it (or one file twice): each cache once, in the order first named."""
+    result = invoke("ask", outdir / "doc1.kvc", outdir, outdir / ".." / outdir.name / "doc1.kvc", "Who is Ishmael?",
+                    *GEN, "--json")
+    assert_ok(result)
+    assert [Path(json.loads(line)["cache"]).name for line in result.stdout.splitlines()] == ["doc1.kvc", "doc0.kvc"]
+
+
 def test_ask_many_reports_a_bad_cache_and_answers_the_rest(outdir):
     (outdir / "bad.kvc").write_bytes(b"not a cache")
     result = invoke("ask", outdir, "Who is Ishmael?", *GEN, "--json")

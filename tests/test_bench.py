@@ -256,6 +256,18 @@ def test_bench_measures_byte_limits_as_compress_stores_them(session, document):
     assert " 1 window · " in text and "(n = 1)" in text and "± 0.0000" not in text  # one window: no interval
 
 
+def test_render_on_a_narrow_console_keeps_method_names_whole(result):
+    """A piped bench is 80 columns wide: with five budgets a long method name came out as 'expected_…' in every
+    table (this result has two budgets: 50 columns)."""
+    long = json.loads(json.dumps(result))
+    for block in (long["fidelity"], long["needle"]):
+        block["results"]["expected_attention"] = block["results"].pop("snapkv")
+    console = Console(record=True, width=50)
+    render(long, console)
+    text = console.export_text()
+    assert "…" not in text and text.count("expected_attention") >= 3
+
+
 def test_render_prints_every_method_and_budget(result):
     console = Console(record=True, width=200)
     render(result, console)

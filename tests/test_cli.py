@@ -235,6 +235,22 @@ def test_summarize_prompt_changes_the_question(doc, other_model):
     assert summary("--prompt", QUESTIONS[0]) == asked[0]  # and deterministic
 
 
+def test_summarize_leaves_room_for_a_long_prompt(doc, model, monkeypatch):
+    """The read left a question's room (256 tokens) whatever the prompt: a 1,700-token prompt after a 430-token
+    document in the tiny model's 2,048 positions failed after the read ("recompress with --position-mode compact").
+    `auto` now reads in compact positions; a prompt longer than the positions is refused before the read."""
+    from klevict_cli.prompts import encode_text
+    from klevict_cli.session import Session
+
+    per_word = len(encode_text(make_tokenizer(), "fox " * 100)) / 100
+    prompt = "fox " * int(1700 / per_word)
+    data = json_out(invoke("summarize", doc, "--model", model, *FAST, *GEN, "--prompt", prompt, "--json"))
+    assert data["position_mode"] == "compact"
+    monkeypatch.setattr(Session, "read", lambda *args, **kwargs: pytest.fail("read before refusing the prompt"))
+    assert_error(invoke("summarize", doc, "--model", model, *FAST, *GEN, "--prompt", "fox " * 3000), 6,
+                 "--prompt is", "on its own")
+
+
 # ---- compress --------------------------------------------------------------------------------------------------
 def test_compress_writes_the_file_and_one_line(doc, model, tmp_path):
     out = tmp_path / "doc.kvc"
@@ -284,6 +300,19 @@ def test_compress_reports_its_estimated_drift_and_inspect_shows_it(compressed):
     assert "estimated drift" in plain.stdout and f"{drift['kl']:.3g}" in plain.stdout
     assert f"80 % range {low:.2g}–{high:.2g}" in " ".join(plain.stdout.split())
     assert drift["covers"] == "read" and "whole" in plain.stdout  # every eviction, not only the last
+
+
+def test_a_drift_of_the_last_eviction_alone_says_so_where_it_is_shown(doc, model, tmp_path):
+    """A compact read cannot set its evicted entries aside: its estimate is the last eviction's, which reads low. The
+    compress line gave the number as if it were the whole read's, and the HTML page said "against the full cache"."""
+    out, page = tmp_path / "c.kvc", tmp_path / "c.html"
+    args = ["compress", doc, "-o", out, "--model", model, "--budget", "16", "--working-limit", "32", *FAST,
+            "--position-mode", "compact", "--estimate"]
+    assert json_out(invoke(*args, "--json"))["estimated_kl"]["covers"] == "last eviction"
+    line = invoke(*args).stdout
+    assert line.rstrip().endswith(", against the cache before the last eviction alone"), line
+    assert_ok(invoke("inspect", out, "--html", page))
+    assert "KL against the cache before the last eviction)" in page.read_text(encoding="utf-8")
 
 
 def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model, tmp_path):
@@ -777,6 +806,21 @@ def test_ask_never_fetches_a_hub_model_a_cache_names(kvc_copy, monkeypatch):
     assert_error(invoke("ask", kvc_copy, QUESTIONS[0], *GEN), 5, "some-org/some-model", "pass --model")
 
 
+def test_an_answer_cut_inside_a_character_ends_before_it(compressed, model, monkeypatch):
+    """--max-new-tokens (or the positions) may stop a byte-level tokenizer between a character's bytes: the answer
+    ended in U+FFFD (a long Moby Dick answer cut at 3,390 tokens ended in '�')."""
+    from klevict_cli.session import Engine
+
+    ids = make_tokenizer()("So ψ", add_special_tokens=False)["input_ids"]
+    assert make_tokenizer().decode(ids[:-1]).endswith("\ufffd")  # ψ's two bytes are two tokens
+    monkeypatch.setattr(Engine, "generate", lambda self, *args, **kwargs: iter(ids[:-1]))
+    gen = ["--max-new-tokens", str(len(ids) - 1)]
+    assert json_out(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *gen, "--json"))["answer"] == "So"
+    plain = invoke("ask", compressed[0], QUESTIONS[0], "--model", model, *gen)
+    assert_ok(plain)
+    assert plain.stdout == "So\n"
+
+
 def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
     """The tiny model has 2,048 positions and the cache ends near 430 (original positions)."""
     from klevict_cli.prompts import encode_text
@@ -788,6 +832,19 @@ def test_a_too_long_question_is_told_what_is_too_long(compressed, model):
     assert 1700 < len(encode_text(make_tokenizer(), question)) < 2000  # fits alone, not after the cache
     after = assert_error(invoke("ask", compressed[0], question, "--model", model, *GEN), 6, "after the cache")
     assert "--position-mode compact" in after and "smaller" not in after  # in original mode a budget won't help
+
+
+def test_a_too_long_question_on_stdin_is_refused_before_any_answer(compressed, model):
+    """Questions 1 and 3 fit, question 2 does not: it stopped the run after answer 1, and question 3 was never asked
+    (nor said to be lost). Every question is checked before the first answer; a folder fails the cache at once."""
+    questions = f"{QUESTIONS[0]}\n\n{'fox ' * 3000}\n{QUESTIONS[1]}\n"
+    line = assert_error(invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json", input=questions), 6,
+                        "question 2 of 3 on standard input: ", "on its own")
+    assert "Q: " not in line
+    folder = invoke("ask", compressed[0].parent, "-", "--model", model, *GEN, "--json", input=questions)
+    rows = [json.loads(line) for line in folder.stdout.splitlines()]
+    assert folder.exit_code == 8 and [row["status"] for row in rows] == ["failed"], _show(folder)
+    assert "question 2 of 3" in rows[0]["message"]
 
 
 def test_ask_after_one_middle_weight_changed_is_refused(doc, work, tmp_path):
@@ -906,6 +963,18 @@ def test_inspect_json(compressed):
     assert 64 <= info["tokens_kept_anywhere"] <= info["tokens"]
 
 
+def test_options_a_full_cache_does_not_use_are_said(doc, model, tmp_path):
+    """--method none with --budget 5% wrote the full cache without a word (--max-kl and --max-bytes are refused)."""
+    args = ["--model", model, "--method", "none", *FAST]
+    result = invoke("compress", doc, "-o", tmp_path / "full.kvc", *args, "--budget", "5%", "--estimate")
+    assert_ok(result)
+    assert "note: --method none keeps every entry: --budget, --estimate not used" in result.stderr
+    summary = invoke("summarize", doc, *args, *GEN, "--working-limit", "2x")
+    assert_ok(summary)
+    assert "--working-limit not used" in summary.stderr
+    assert "note:" not in invoke("compress", doc, "-o", tmp_path / "full.kvc", *args).stderr
+
+
 def test_inspect_full_cache_keeps_everything(doc, model, tmp_path):
     out = tmp_path / "full.kvc"
     assert_ok(invoke("compress", doc, "-o", out, "--model", model, "--method", "none", *FAST))
@@ -962,6 +1031,17 @@ def test_inspect_text_on_a_terminal_has_colours_and_a_legend(compressed, monkeyp
     assert "\x1b[" in drawn and "⟦" not in drawn
 
 
+def test_inspect_text_on_a_terminal_without_styles_marks_the_kept_spans(compressed, monkeypatch):
+    """TERM=dumb: rich draws no bold and no colour, and the text came out unmarked under a legend that said bold."""
+    from rich.console import Console
+
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setattr(cli, "out", Console(file=io.StringIO(), force_terminal=True, width=150, highlight=False))
+    assert_ok(invoke("inspect", compressed[0], "--text"))
+    drawn = cli.out.file.getvalue()
+    assert "\x1b[" not in drawn and "legend: ⟦kept by half the KV heads or more⟧" in drawn and drawn.count("⟦") > 1
+
+
 HOSTILE = "[bold red]red[/] [link=https://evil.example]click[/link] \x1b]0;pwned\x07\x1b[2J\u202eevil\x9b31m"
 
 
@@ -978,6 +1058,22 @@ def test_inspect_shows_hostile_metadata_as_text(compressed, kvc_copy):
     assert not any(c in result.stdout for c in "\x1b\x07\u202e\x9b")
     data = json_out(invoke("inspect", kvc_copy, "--json"))  # JSON escapes them its own way and keeps them exact
     assert data["metadata"]["source_name"] == HOSTILE
+
+
+def test_inspect_shows_long_names_and_paths_whole(kvc_copy):
+    """A piped table is 80 columns wide: a long document name or model path was cut to "…", and a long cache path
+    cropped in the table's title. Values fold onto more lines; the path is a line of its own."""
+    from tests.test_kvc import raw_parts, write_raw
+
+    name, model_path = "a-report-" + "x" * 120 + ".md", "/models/" + "q" * 90 + "/Qwen2.5-1.5B-Instruct"
+    tensors, metadata = raw_parts(kvc_copy)
+    path = kvc_copy.with_name("c" * 100 + ".kvc")
+    write_raw(path, tensors, {**metadata, "source_name": name, "model_id": model_path})
+    result = invoke("inspect", path)
+    assert_ok(result)
+    assert result.stdout.splitlines()[0] == str(path)
+    values = "".join(line.split("│")[2].strip() for line in result.stdout.splitlines() if line.count("│") == 3)
+    assert name in values and model_path in values and "…" not in result.stdout
 
 
 def test_file_names_in_errors_are_shown_not_obeyed(model, tmp_path):

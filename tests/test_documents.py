@@ -140,6 +140,11 @@ def test_just_over_one_percent_invalid_is_refused_saying_where(tmp_path):
     assert "iconv" in message
 
 
+def test_one_bad_byte_is_counted_in_the_singular(tmp_path):
+    data = b"Who is\x0bthere?\x0cWhat\x1chour?\x85end\n"  # controls: not Windows-1252; 1 bad byte is over 1 %
+    assert "; 1 of its 29 bytes is not UTF-8)" in error_of(write(tmp_path, "q.txt", data))
+
+
 @pytest.mark.parametrize("encoding", ["cp1252", "latin-1"])
 def test_windows_1252_and_latin1_text_is_decoded(tmp_path, encoding):
     text = "Grüße aus Köln: café, crème brûlée, naïveté, 5 ½ £."

@@ -82,7 +82,7 @@ def test_page_has_a_span_per_token_shaded_by_the_share_that_kept_it(kvc_path, tm
     text = "".join(page.text)
     assert "Ishmael" in text and "went home for supper." in text
     drift = json.loads(kvc.metadata["estimated_kl"])  # and how far the cache moved the model, in words
-    assert f"Estimated drift (mean next-token KL against the full cache): {drift['kl']:.3g}" in text
+    assert f"Estimated drift (mean next-token KL against the whole read's cache): {drift['kl']:.3g}" in text
     assert "80 % range" in text
     per_layer = [int(layer.lengths.sum()) for layer in kvc.layers]
     widths = [a["style"] for tag, a in page.tags if a.get("class") == "bar"]
@@ -155,3 +155,11 @@ def test_html_to_a_device_does_not_suggest_standard_output(kvc_path, tmp_path):
     assert "standard output" not in line
     (tmp_path / "doc.txt").write_text(DOC_TEXT, encoding="utf-8")
     assert_error(invoke("compress", tmp_path / "doc.txt", "-o", fifo), 7, "or - for standard output")
+
+
+def test_quiet_leaves_standard_error_empty(kvc_path, tmp_path):
+    """README: notes go to stderr, none with --quiet; inspect had no --quiet, and 'wrote PAGE' could not be hushed."""
+    page = tmp_path / "quiet.html"
+    result = invoke("inspect", kvc_path, "--html", page, "--json", "--quiet")
+    assert result.exit_code == 0 and result.stderr == "" and page.is_file()
+    assert json.loads(result.stdout)["file"]

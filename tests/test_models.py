@@ -5,6 +5,7 @@ One integration test loads the real packaged default model; it is skipped when t
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from importlib.util import find_spec
@@ -238,6 +239,27 @@ def test_broken_gguf_is_a_model_error(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="cannot convert"):
         models.load_model(str(path), quiet=True)
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no half-built folder left behind
+
+
+@pytest.mark.parametrize("where", ["a-file/cache", "read-only/cache"])
+def test_a_cache_folder_that_cannot_be_written_is_a_model_error(tmp_path, monkeypatch, where):
+    """KLEVICT_CACHE_DIR (or ~/.cache) under a file or a read-only folder was a traceback (NotADirectoryError)."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "read-only").mkdir()
+    monkeypatch.setenv("KLEVICT_CACHE_DIR", str(tmp_path / where))
+    real_mkdtemp = models.tempfile.mkdtemp
+
+    def read_only(*args, dir=None, **kwargs):  # root writes to a 0o555 folder anyway: refused as the kernel would
+        if "read-only" in str(dir):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(models.tempfile, "mkdtemp", read_only)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelError, match=r"cannot write converted model to .*: (Not a directory|Permission denied);"
+                                         r" set KLEVICT_CACHE_DIR"):
+        models.load_model(str(path), quiet=True)
 
 
 def test_bad_dtype_lists_choices(tiny_folder):  # a bad option (exit 2), not a model that cannot load

@@ -180,6 +180,24 @@ def test_numbers_are_taken_for_string_options(tmp_path, text, expected):
     assert parse_budget(expected)
 
 
+@pytest.mark.parametrize(("text", "expected"), [("max-kl: 1e-2", 0.01), ("temperature: 2E+0", 2.0),
+                                               ("top-p: .5e0", 0.5), ("max-kl: -1.5e-3", -0.0015)])
+def test_a_float_in_exponent_form_is_a_number(tmp_path, text, expected):
+    """YAML 1.1 reads 1e-2 as a string (its floats need a point): `max-kl: 1e-2` was refused as not a number though
+    `--max-kl 1e-2` is one."""
+    key, _, _ = text.partition(":")
+    assert load_config(config_file(tmp_path, text)) == {key.replace("-", "_"): expected}
+    assert "must be a string" in config_error(tmp_path, "model: [1e-2]")
+    assert load_config(config_file(tmp_path, "prompt: 1e-2")) == {"prompt": "1e-2"}  # a string option keeps it
+
+
+def test_a_merge_key_merges_and_the_mapping_overrides(tmp_path):
+    """`<<:` (YAML's merge key) failed as malformed YAML: "could not determine a constructor for the tag"."""
+    text = "<<: {seed: 1, max-new-tokens: 3}\nseed: 2\n"
+    assert load_config(config_file(tmp_path, text)) == {"seed": 2, "max_new_tokens": 3}
+    assert "unknown key 'x'" in config_error(tmp_path, "<<: {x: 1}\n")
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n"])
 def test_empty_config(tmp_path, text):
     assert load_config(config_file(tmp_path, text)) == {}
@@ -212,6 +230,17 @@ def test_wrong_type_names_key_and_type(tmp_path, text, key, expected):
     assert f"key '{key}'" in message and f"must be {expected}" in message
 
 
+@pytest.mark.parametrize(("text", "shown"), [
+    ("device: off", "got false (YAML reads yes, no, on and off as true or false: quote the value)"),
+    ("prompt: 2020-01-01", "got a date (2020-01-01: quote the value)"),
+    ("model: 2020-01-01 10:00:00", "got a date (2020-01-01 10:00:00: quote the value)"),
+    ("budget: !!binary aGVsbG8=", "got a binary value (!!binary)"),
+])
+def test_a_wrong_value_is_shown_as_yaml_wrote_it(tmp_path, text, shown):
+    """Not as Python prints it: `got False`, `got datetime.date(2020, 1, 1)`, `got b'hello'`."""
+    assert config_error(tmp_path, text).endswith(shown)
+
+
 def test_position_mode_choice_is_checked(tmp_path):
     message = config_error(tmp_path, "position_mode: sideways")
     assert "key 'position_mode' must be one of: auto, original, compact; got 'sideways'" in message
@@ -239,6 +268,11 @@ def test_malformed_yaml_line_number(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(UsageError, match="no such file"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_config_from_a_dash_says_it_needs_a_file():
+    with pytest.raises(UsageError, match="config file -: give a file; - reads standard input for documents"):
+        load_config("-")
 
 
 def test_config_directory(tmp_path):
