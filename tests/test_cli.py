@@ -1240,7 +1240,9 @@ def test_a_bad_number_is_quoted_as_typed_in_klevicts_words(doc, model, args, lin
     [(["--working", "0.5"], "error: invalid --working '0.5'; it must be a multiple of the budget, at least 1"),
      (["--max-kl", "0.01, -1"], "error: invalid --max-kl '-1'; it must be a positive number of nats per token"),
      (["--windows", "two"], "error: invalid --windows 'two'; must be an integer"),
-     (["--windows", "2.0"], "error: invalid --windows '2.0'; must be an integer")],
+     (["--windows", "2.0"], "error: invalid --windows '2.0'; must be an integer"),
+     (["--sampled", "9"], "error: invalid --sampled '9'; must be an integer from 0 to 8"),
+     (["--sampled", "-1"], "error: invalid --sampled '-1'; must be an integer from 0 to 8")],
 )
 def test_bench_quotes_a_bad_number_as_typed(doc, model, args, line):
     assert assert_error(invoke("bench", doc, "--model", model, *args), 2) == line
