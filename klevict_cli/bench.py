@@ -49,7 +49,7 @@ from klevict_cli.attention import Lanes
 from klevict_cli.display import counted, shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import TOLERANCE_PREFIX, summary, windows_count, within_factor
-from klevict_cli.sampling import sample_rows
+from klevict_cli.sampling import sample_rows, seeded
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -458,7 +458,7 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
         ref = timed_read(session, window, reference, len(cont))
         own = own_text = None  # the model's own continuations, and the full cache's distributions along them
         if settings.sampled:
-            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + w + SAMPLED_SEED)
+            generator = seeded(settings.seed * 1_000_003, w + SAMPLED_SEED)
             own_text = sampled_continuations(ref["engine"], ref["stream"], ref["logits"], settings.sampled,
                                              settings.continuation, generator)
             own = ReferenceDistributions(lane_logits(ref["engine"], ref["stream"], ref["logits"], own_text,

@@ -25,7 +25,7 @@ from klevict_cli.fisher import FrozenCache, attention_output_gradient_norms, hea
 from klevict_cli.policies import EvictionStep, Policy, in_floor, select_global, select_keep
 from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruction, Requests
 from klevict_cli.quantized import stored_cache
-from klevict_cli.sampling import SpanBan, penalise_repeats, sample, sample_rows
+from klevict_cli.sampling import SpanBan, penalise_repeats, sample, sample_rows, seeded
 from klevict_cli.tolerance import smallest_within
 from klevict_kernels.kl import ReferenceDistributions
 from klevict_kernels.refit import refit_values
@@ -238,7 +238,7 @@ class Engine:
         self.storage = dict(storage or {})
         self.chooses_storage = len(self.storage) > 1 and policy.evicts
         measuring = measures_drift(measure_drift, max_kl, self.chooses_storage)
-        self.drift_generator = torch.Generator().manual_seed(seed + DRIFT_SEED) if measuring else None
+        self.drift_generator = seeded(seed, DRIFT_SEED) if measuring else None
         self.drift_calibration = drift_calibration or DRIFT_CALIBRATION  # the model's own, where it has one
         self.evicted_bytes = evicted_bytes  # the most of what it evicts a read sets aside to measure its drift
         observes = policy.observes_read(self.reconstruction is not None)

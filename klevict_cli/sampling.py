@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def seeded(seed: int, offset: int = 0) -> torch.Generator:
+    """A CPU generator for `seed` moved by `offset` (a stream of samples kept apart from the others), wrapped into
+    the 64 bits torch's generators take: `--seed` goes up to 2**64 - 1, and the sum past it was a traceback."""
+    return torch.Generator().manual_seed((seed + offset) % 2**64)
+
+
 def penalise_repeats(logits: torch.Tensor, previous: list[int], penalty: float, window: int = 64) -> torch.Tensor:
     """Make the answer's last `window` tokens less likely again (positive logits divided by `penalty`, negative
     ones multiplied): small models decoding greedily from a heavily compressed cache otherwise fall into loops."""

@@ -144,6 +144,14 @@ def compressed(work, doc, model) -> tuple[Path, dict]:
     return out, summary
 
 
+def test_the_largest_seed_samples_its_drift_too(doc, model, tmp_path):
+    """--seed takes up to 2**64 - 1; the drift's samples are seeded apart from it (seed + an offset), which overflowed
+    torch's generator into a traceback after the read."""
+    got = json_out(invoke("compress", doc, "-o", tmp_path / "s.kvc", "--model", model, "--budget", "64", *FAST,
+                          "--json", "--estimate", "--seed", str(2**64 - 1)))
+    assert got["estimated_kl"]["kl"] >= 0
+
+
 @pytest.fixture(scope="module")
 def other_model(work) -> str:
     """A second tiny model: another seed and untied embeddings, so its fingerprints differ from `model`'s.
