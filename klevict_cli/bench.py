@@ -49,7 +49,7 @@ from klevict_cli.attention import Lanes
 from klevict_cli.display import counted, shown
 from klevict_cli.prompts import encode_text
 from klevict_cli.results import TOLERANCE_PREFIX, summary, windows_count, within_factor
-from klevict_cli.sampling import sample_rows, seeded
+from klevict_cli.sampling import seeded
 
 if TYPE_CHECKING:
     from klevict_cli.session import ReadSettings
@@ -317,14 +317,8 @@ def sampled_continuations(engine, stream, last_logits: torch.Tensor, lanes: int,
     The mean KL over them is a Monte-Carlo estimate of the per-token KL between what the full and the compressed cache
     would write: the sequence-level divergence, whose chain rule sums the next-token KLs along the model's own text."""
     work = stream.clone()
-    lane = Lanes(work.next_position, work.next_rope, lanes)
-    logits, tokens = last_logits.reshape(1, -1).expand(lanes, -1), []
-    for step in range(length):
-        drawn = sample_rows(logits.float(), generator)
-        tokens += drawn
-        if step + 1 < length:
-            logits, _ = engine.forward(work, drawn, logits_rows=lanes, lanes=lane)
-    return tokens
+    return engine.sample_lanes(work, last_logits, Lanes(work.next_position, work.next_rope, lanes), length,
+                               generator)[0]
 
 
 def lane_logits(engine, stream, last_logits: torch.Tensor, tokens: list[int], lanes: int) -> torch.Tensor:
@@ -430,11 +424,12 @@ def run_fidelity(session, doc_ids: list[int], settings: BenchSettings, reference
     labels = list(dict.fromkeys(label for _, label in reads))
     warm_up(session, settings, list(dict.fromkeys(m for m, _ in reads)), prefix + doc_ids)
     full = {"perplexity": [], "nll": [], "seconds": [], "cache_bytes": [], "peak_cache_bytes": []}
-    sampled = ("kl_sampled",) if settings.sampled else ()
+    sampled = ("kl_sampled",) if settings.sampled else ()  # --sampled: summarised over windows
+    per_lane = ("kl_sampled_lanes",) if settings.sampled else ()  # each continuation's own: per window only
     results = {stored_row(m, dtype): {label: {k: [] for k in (
         "kl", "top1", "nll", "perplexity", "seconds", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes",
-        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype") + sampled + ("kl_sampled_lanes",) * bool(
-        sampled)} for label in labels} for m in settings.methods for dtype in stored_as}
+        "peak_device_bytes", "kept_entries", "estimated_kl", "cache_dtype") + sampled + per_lane} for label in labels}
+        for m in settings.methods for dtype in stored_as}
     stats = ("kl", "top1", "perplexity", "time_ratio", "cache_bytes", "cache_fraction", "peak_cache_bytes") + sampled
     done = carry_over(previous, full, results, offsets, "offsets")
 

@@ -1032,7 +1032,8 @@ def bench(
                                                   "cache: the dtype chosen, its bytes and KL.")] = None,
     sampled: Annotated[int, typer.Option("--sampled", help="Also measure each cache on this many continuations "
                                          "(of --continuation tokens) that the full cache's model writes itself: "
-                                         "kl_sampled, the KL of what the model would write (0: not measured; at most 8).")] = 0,
+                                         "kl_sampled, the KL of what the model would write (0: not measured; at "
+                                         "most 8).")] = 0,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the results into this .png/.svg/.pdf: KL "
                                               "against budget with 95% intervals, cost against KL, retrieval "
                                               "accuracy. Needs the plot extra: pip install 'klevict[plot]'.")] = None,

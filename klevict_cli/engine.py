@@ -659,13 +659,8 @@ class Engine:
         reference = Stream(evicted.with_held(stream.cache), list(stream.tokens), stream.next_rope) if before else stream
         steps = min(drift_steps(stream.next_position), self.room(stream))
         lanes = Lanes(reference.next_position, reference.next_rope, DRIFT_LANES)
-        tokens, rows = [], []
-        logits = read_logits.reshape(-1, read_logits.shape[-1])[-1:].expand(DRIFT_LANES, -1)
-        for _ in range(steps):
-            step = sample_rows(logits / DRIFT_TEMPERATURE, self.drift_generator)  # one token per lane
-            logits, _ = self.forward(reference, step, logits_rows=DRIFT_LANES, probing=True, lanes=lanes)
-            tokens += step
-            rows.append(logits)
+        tokens, rows = self.sample_lanes(reference, read_logits, lanes, steps, self.drift_generator, probing=True,
+                                         temperature=DRIFT_TEMPERATURE)
         head_inputs = None
         if self.probe_model is not None and tokens:  # sampled on the probe copy: their logits from the model itself
             self.forget_drafts(reference, len(tokens))
@@ -678,6 +673,22 @@ class Engine:
         if reference is stream:
             self.forget_drafts(stream, len(tokens))
         return Continuation(tokens, torch.cat(rows), DRIFT_LANES, whole, before, head_inputs) if tokens else None
+
+    def sample_lanes(self, stream: Stream, last_logits: torch.Tensor, lanes: Lanes, steps: int,
+                     generator: torch.Generator, probing: bool = False, temperature: float = 1.0
+                     ) -> tuple[list[int], list[torch.Tensor]]:
+        """`steps` tokens per lane of `lanes`, side by side past the end of `stream` (to which they are appended), each
+        step's tokens (one per lane) drawn from the logits the step before gave, the first from `last_logits` (the
+        read's last row): the tokens step-major, and each step's logits (lanes, vocab) after its tokens. `probing`:
+        on the probe copy where there is one (attention.Lanes; Engine.forward)."""
+        tokens, rows = [], []
+        logits = last_logits.reshape(-1, last_logits.shape[-1])[-1:].expand(lanes.count, -1)
+        for _ in range(steps):
+            step = sample_rows(logits / temperature, generator)  # one token per lane
+            logits, _ = self.forward(stream, step, logits_rows=lanes.count, probing=probing, lanes=lanes)
+            tokens += step
+            rows.append(logits)
+        return tokens, rows
 
     @torch.inference_mode()
     def head_logits(self, model: PreTrainedModel, head_inputs: torch.Tensor) -> torch.Tensor:
