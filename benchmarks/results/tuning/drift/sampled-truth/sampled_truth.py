@@ -26,6 +26,9 @@ sys.path.insert(0, ROOT)
 from drift_check import spearman  # noqa: E402
 from drift_lanes import VARIANTS, pairs  # noqa: E402
 
+sys.path.insert(0, os.path.join(HERE, "..", "power"))
+from fit import fit as fit_power  # noqa: E402
+
 TEXTS = ("moby", "hamlet")
 SETS = {"SmolLM2-135M · 512": ("", 512), "Gemma-3-270M · 512": ("-gemma", 512), "SmolLM2-135M · 1,024": ("", 1024)}
 SHOWN = ("4x16 (of 16)", "4x32 (of 16)", "8x16 (of 16)", "8x32 (of 16)", "16x8", "16x16", "16x32")
@@ -54,11 +57,10 @@ def read(found, group: list[int], steps: int) -> list[tuple[float, float]]:
 
 
 def fit(found: list[tuple[float, float]]) -> tuple[float, float]:
-    """(scale, slope): least squares of log truth on log sampled, the scale centred on the median ratio."""
-    xs, ys = zip(*((math.log(s), math.log(t)) for s, t in found))
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return statistics.median(t / s ** slope for s, t in found), slope
+    """(scale, slope) as the shipped calibration is fitted (power/fit.py): least squares of log truth on log sampled,
+    the scale centred on the median ratio."""
+    slope, scales = fit_power({0: [(math.log(s), math.log(t)) for s, t in found]})
+    return scales[0], slope
 
 
 def scored(found: list[tuple[float, float]], scale: float, slope: float) -> list[float]:
