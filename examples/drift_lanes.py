@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from drift_check import spearman  # noqa: E402
+from drift_check import TRUTHS, spearman  # noqa: E402
 
 from klevict_cli.results import within_factor  # noqa: E402
 
@@ -38,7 +38,6 @@ QUARTERS, HALVES = [SIXTEEN[i : i + 4] for i in range(0, 16, 4)], [SIXTEEN[:8], 
 VARIANTS.update({"4x16 (of 16)": (QUARTERS, 16), "4x32 (of 16)": (QUARTERS, 32), "8x16 (of 16)": (HALVES, 16),
                  "8x32 (of 16)": (HALVES, 32), "16x8": ([SIXTEEN], 8), "16x16": ([SIXTEEN], 16),
                  "16x32": ([SIXTEEN], 32)})
-TRUTHS = {"page": "kl", "own": "kl_sampled"}  # compare --truth: the real next page, or the model's own text
 
 
 def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
