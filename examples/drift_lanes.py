@@ -4,7 +4,7 @@ in lanes, again")
     # a bench run that also writes every drift measurement's per-token KL (steps x lanes) next to its results
     python examples/drift_lanes.py record OUT -- ../shared/data/moby-dick.txt --methods kl,kl-reconstruct \
         --budgets 50%,20%,10%,5%,32,64 --windows 2 --context 512 --seed 0 --estimate
-    # (record OUT --lanes 8 -- ...: eight lanes, each sampled DRIFT_DRAFTS tokens whatever the read's length)
+    # (record OUT --lanes 8 -- ...: eight lanes, each sampled RECORDED_STEPS tokens whatever the read's length)
     # then: what fewer lanes or fewer tokens per lane would have estimated, against the KL the bench measured
     python examples/drift_lanes.py compare OUT1 OUT2 ...
     # (compare --truth own OUT...: against the KL on the model's own continuations, from runs with bench --sampled)
@@ -38,14 +38,15 @@ QUARTERS, HALVES = [SIXTEEN[i : i + 4] for i in range(0, 16, 4)], [SIXTEEN[:8], 
 VARIANTS.update({"4x16 (of 16)": (QUARTERS, 16), "4x32 (of 16)": (QUARTERS, 32), "8x16 (of 16)": (HALVES, 16),
                  "8x32 (of 16)": (HALVES, 32), "16x8": ([SIXTEEN], 8), "16x16": ([SIXTEEN], 16),
                  "16x32": ([SIXTEEN], 32)})
+RECORDED_STEPS = 32  # tokens per lane a `record --lanes` run samples: twice what a read does, to compare longer lanes
 
 
 def record(out: str, bench_args: list[str], lanes: int | None = None) -> None:
     from klevict_cli import engine
     from klevict_cli.cli import app
 
-    if lanes is not None:  # that many lanes, each sampled in full (DRIFT_DRAFTS steps) whatever the read's length
-        engine.DRIFT_LANES, engine.DRIFT_CHEAP = lanes, 0
+    if lanes is not None:  # that many lanes, each sampled RECORDED_STEPS tokens whatever the read's length
+        engine.DRIFT_LANES, engine.DRIFT_STEPS = lanes, RECORDED_STEPS
 
     Path(f"{out}.tokens.jsonl").unlink(missing_ok=True)
     token_kl, measure = engine.ReferenceDistributions.kl_of_change, engine.Engine.measure_drift

@@ -93,13 +93,13 @@ class DriftCalibration:
 # (the real text of a long read needs more of what was evicted: names copied from far back), and the more so the
 # further a cache moved (measured over sampled KL falls as the budget tightens). So the estimate is a power of the
 # sampled KL, scaled by the read's length: `DriftCalibration`, fitted on the seed-0 tuning windows of the default
-# model (both texts, kl and kl-reconstruct at 50 / 20 / 10 / 5 % and 32 / 64 per head; one slope over every length,
-# and at each length the scale that makes the median of measured over estimated 1: docs/method.md, "Estimated
-# drift"); every model reads with it unless klevict ships its own (`drift_calibration`). The real next page still
-# scatters about the estimate by window, by about 2x either way for one cache in five: its 80 % range, fitted on
-# those windows and the seed-2 drift table's (docs/method.md, "How far to trust the estimate").
-DRIFT_CALIBRATION = DriftCalibration(((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), slope=0.822,
-                                     range80=((256, 2.12), (512, 1.91), (1024, 2.10), (4096, 1.93)))
+# model (both texts, kl and kl-reconstruct at every budget of the recordings; one slope over the lengths sampled on
+# sixteen lanes, and at each length the scale that makes the median of measured over estimated 1: docs/method.md,
+# "Estimated drift"); every model reads with it unless klevict ships its own (`drift_calibration`). The real next
+# page still scatters about the estimate by window, by about 1.9x either way for one cache in five: its 80 % range
+# on those windows (docs/method.md, "How far to trust the estimate"; benchmarks/results/tuning/drift/lanes16/fit16.py).
+DRIFT_CALIBRATION = DriftCalibration(((256, 0.2334), (512, 0.3084), (1024, 0.4218), (4096, 0.5369)), slope=0.813,
+                                     range80=((256, 1.70), (512, 1.86), (1024, 2.03), (4096, 1.72)))
 
 
 def shipped_file(weights_sha256: str) -> dict | None:

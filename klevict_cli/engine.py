@@ -33,7 +33,7 @@ from klevict_kernels.refit import refit_values
 POSITION_MODES = ("auto", "original", "compact")
 WORKING_FACTOR = 4  # default working limit: this many times the budget (docs/method.md, "Lazy eviction")
 # Compact positions: what a read keeps free past each chunk, for the probes of the eviction after it (kl's look-ahead
-# drafts, 64 tokens; the drift's continuation, at most DRIFT_DRAFTS)
+# drafts, 64 tokens; the drift's continuation, DRIFT_STEPS)
 PROBE_ROOM = 64
 
 
@@ -121,19 +121,17 @@ def plan_positions(
     return Plan(mode, budget, notes, head_cap)
 
 
-# The read's drift is measured on DRIFT_LANES continuations of DRIFT_DRAFTS tokens sampled side by side
-# (`Engine.drafts_for_drift`, attention.Lanes): one continuation's KL depends on the sample (six of one window were
-# 4-17x apart), and on a CPU a forward of 4 tokens costs about 1.4x one of a single token. On the seed-0 tuning
-# windows (512-4,096 tokens, 120 window x budget pairs) 4 x 32 ranked caches better than 1 x 32 (Spearman 0.86 /
-# 0.84; within 1.5x at each one's best calibration 54 % / 46 %, and 46 % / 38 % at 4,096 tokens) for 1.6x its cost;
-# 4 x 16 about as well as 1 x 32 (0.86, 52 %) for 0.8x. So a read samples 32 tokens per lane where that costs little
-# (the read at least DRIFT_CHEAP times the lanes' tokens: 2,048 tokens, as for the look-ahead's second round), and
-# 16 where not (docs/research-log.md, "the drift in lanes, again"). Below DRIFT_CHEAP times 4 x 16 (1,024 tokens) even
-# that is not cheap — on a 300-token note it costs about two reads, sixteen sequential forwards that each stream every
-# weight, and no cheaper shape kept the estimate — so a read measures it there only when asked (`drift_steps`).
-DRIFT_DRAFTS = 32
-DRIFT_LANES = 4
-DRIFT_CHEAP = 16
+# The read's drift is measured on DRIFT_LANES continuations of DRIFT_STEPS tokens sampled side by side
+# (`Engine.drafts_for_drift`, attention.Lanes): one continuation's KL depends on the sample, and the model's own
+# continuations vary more from one another than one lane shows (Gemma-3-270M's about 2.3x as much as SmolLM2's). On
+# held-out windows, scored against the real next page, 16 lanes of 16 tokens ranked caches better than 4 lanes of
+# 16 or 32 on both packaged models (Spearman SmolLM2 0.92 / 0.95 at 512 / 1,024 tokens, Gemma-3-270M 0.95 at 512,
+# against 0.90 / 0.90 / 0.56 for 4 x 16), and 16 sequential forwards of 16 tokens cost about what 32 of 4 did
+# (docs/research-log.md, "sixteen lanes"). A read measures it by default only where it is cheap beside the read:
+# from DRIFT_CHEAP tokens (`drift_steps`); below, the estimate would cost a short read about as much again.
+DRIFT_STEPS = 16
+DRIFT_LANES = 16
+DRIFT_CHEAP = 1024
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
@@ -149,13 +147,9 @@ def measures_drift(asked: bool, max_kl: float | None, chooses_storage: bool) -> 
 
 
 def drift_steps(tokens: int, asked: bool = True) -> int:
-    """Tokens per lane that the drift estimate of a read of `tokens` samples: DRIFT_DRAFTS where the read is at least
-    DRIFT_CHEAP times the lanes' tokens, half of it where that is cheap, and where even that is not, half of it if the
-    estimate was `asked` for and none otherwise."""
-    for steps in (DRIFT_DRAFTS, DRIFT_DRAFTS // 2):
-        if tokens >= DRIFT_CHEAP * DRIFT_LANES * steps:
-            return steps
-    return DRIFT_DRAFTS // 2 if asked else 0
+    """Tokens per lane that the drift estimate of a read of `tokens` samples: DRIFT_STEPS where it is `asked` for or
+    the read is at least DRIFT_CHEAP tokens, none otherwise."""
+    return DRIFT_STEPS if asked or tokens >= DRIFT_CHEAP else 0
 
 
 @dataclass(eq=False)

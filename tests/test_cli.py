@@ -326,7 +326,7 @@ def test_a_drift_of_the_last_eviction_alone_says_so_where_it_is_shown(doc, model
 def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model, tmp_path):
     """compress measures the drift by default only of a read long enough for the estimate to be cheap next to it
     (engine.drift_steps: 1,024 tokens); `inspect` says a shorter one's was not measured; --estimate measures it."""
-    from klevict_cli.engine import drift_steps
+    from klevict_cli.engine import DRIFT_LANES, DRIFT_STEPS, drift_steps
 
     short = invoke("compress", doc, "-o", tmp_path / "s.kvc", "--model", model, "--budget", "64", *FAST, "--json")
     read = json_out(short)
@@ -343,7 +343,7 @@ def test_compress_estimates_its_drift_by_default_where_that_is_cheap(doc, model,
     long = json_out(invoke("compress", long_doc, "-o", tmp_path / "l.kvc", "--model", model, "--budget", "64",
                            "--chunk-size", "256", "--json"))
     assert long["document"]["tokens"] >= 1024 and long["estimated_kl"]["kl"] > 0
-    assert long["estimated_kl"]["drafts"] == 4 * 16
+    assert long["estimated_kl"]["drafts"] == DRIFT_LANES * DRIFT_STEPS
     unmeasured = json_out(invoke("compress", long_doc, "-o", tmp_path / "n.kvc", "--model", model, "--budget", "64",
                                  "--chunk-size", "256", "--json", "--no-estimate"))
     assert unmeasured["estimated_kl"] is None and unmeasured["kept_entries"] == long["kept_entries"]

@@ -11,7 +11,7 @@ import torch
 
 from klevict_cli.adapter_check import adapter_for
 from klevict_cli.calibrations import DRIFT_CALIBRATION, DriftCalibration
-from klevict_cli.engine import DRIFT_DRAFTS, DRIFT_LANES, Engine, drift_steps
+from klevict_cli.engine import DRIFT_CHEAP, DRIFT_LANES, DRIFT_STEPS, Engine, drift_steps
 from klevict_cli.policies.kl import KL
 from klevict_cli.report import estimated_kl
 from tests.conftest import tiny_llama
@@ -53,7 +53,7 @@ def test_the_drift_is_the_drafts_kl_against_the_cache_before_the_choice(monkeypa
     drafted = seen[0]
     assert stream.tokens == ids and stream.next_rope == len(ids)  # every sampled token forgotten
     assert drafted.lanes == DRIFT_LANES > 1
-    assert stream.drift["drafts"] == len(drafted.tokens) == DRIFT_LANES * DRIFT_DRAFTS // 2  # a short read: half
+    assert stream.drift["drafts"] == len(drafted.tokens) == DRIFT_LANES * DRIFT_STEPS
     assert len({tuple(drafted.tokens[lane :: drafted.lanes]) for lane in range(drafted.lanes)}) == drafted.lanes
     full_engine, full, _ = read(None)  # nothing evicted
     torch.testing.assert_close(drafted.logits, lane_by_lane(full_engine, full, drafted), rtol=1e-4, atol=1e-4)
@@ -158,17 +158,6 @@ def test_a_model_that_ships_its_own_drift_calibration_reads_with_it(monkeypatch)
     assert drifts[0]["range80"] == pytest.approx(list(DRIFT_CALIBRATION.likely(drifts[0]["kl"], 1)))
 
 
-def test_a_read_long_enough_samples_every_lane_in_full(monkeypatch):
-    """Where the read is at least DRIFT_CHEAP times the lanes' tokens, each lane samples DRIFT_DRAFTS tokens; a
-    shorter read half as many (here the threshold is moved instead of reading 2,048 tokens)."""
-    from klevict_cli import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "DRIFT_CHEAP", 120 / (DRIFT_LANES * DRIFT_DRAFTS))  # exactly this read
-    assert read(40)[1].drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS
-    monkeypatch.setattr(engine_module, "DRIFT_CHEAP", 121 / (DRIFT_LANES * DRIFT_DRAFTS))  # one token more
-    assert read(40)[1].drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS // 2
-
-
 def test_after_several_evictions_the_drift_is_measured_against_the_whole_read(monkeypatch):
     """The continuation is sampled over every entry the read produced — what earlier evictions dropped was set
     aside — not only over what was held at the last eviction. With one layer an entry's key and value depend on its
@@ -245,7 +234,7 @@ def test_measuring_drafts_of_its_own_leaves_every_choice_as_it_was():
             engine.feed(stream, ids)
             kept[measure] = [layer.positions[layer.valid].tolist() for layer in stream.cache.layers]
             if measure:
-                assert stream.drift["drafts"] == DRIFT_LANES * DRIFT_DRAFTS // 2 and stream.drift["kl"] > 0
+                assert stream.drift["drafts"] == DRIFT_LANES * DRIFT_STEPS and stream.drift["kl"] > 0
                 assert stream.tokens == ids
             else:
                 assert stream.drift is None
@@ -385,7 +374,7 @@ def test_max_kl_sizes_any_policys_cache(method):
 
 
 def test_the_estimate_samples_what_the_read_affords():
-    """Per lane, 32 sampled tokens from 16 x 4 x 32 = 2,048 tokens read, 16 from 1,024; below, 16 when the estimate
-    is asked for and none by default (compress's default: its cost would rival the read's)."""
-    assert [drift_steps(n) for n in (4096, 2048, 2047, 1024, 1023, 10)] == [32, 32, 16, 16, 16, 16]
-    assert [drift_steps(n, asked=False) for n in (2048, 1024, 1023, 10)] == [32, 16, 0, 0]
+    """DRIFT_STEPS tokens per lane whenever the estimate is asked for; by default (compress) only from DRIFT_CHEAP
+    tokens read, where its cost is small beside the read's."""
+    assert [drift_steps(n) for n in (4096, DRIFT_CHEAP, DRIFT_CHEAP - 1, 10)] == [DRIFT_STEPS] * 4
+    assert [drift_steps(n, asked=False) for n in (4096, DRIFT_CHEAP, DRIFT_CHEAP - 1, 10)] == [DRIFT_STEPS] * 2 + [0, 0]

@@ -1,0 +1,142 @@
+"""The drift calibration for sixteen lanes of 16 tokens (engine.DRIFT_LANES x DRIFT_STEPS), fitted as power/fit.py
+fits: measured KL = scale(L) * sampled KL ** slope on seed-0 tuning recordings only, one slope per model (least
+squares in logs, each length centred on its own means), at each length the scale that makes the median of measured
+over estimated 1, and the 80 % range factor there (range/range.py's `factor`, on the same caches).
+
+Sources, per model and read length: recordings of 16 lanes (record.sh here, ../sampled-truth/lanes.sh), read as 16
+lanes x 16 tokens; where there are none, recordings of 4 lanes (../power/record.sh, ../refit/record.sh) read as
+4 x 16. Both read the same expected sampled KL (the mean over lanes of the first 16 tokens' KL), four lanes more
+noisily: they set that length's scale and range (the range is then wider than sixteen lanes' would be), never the
+slope, which noise in the sampled KL would flatten.
+
+Then the held-out check: the seed-1 recordings of ../sampled-truth/ (never fitted on), read as 16 x 16 at this
+calibration, against the 4 x 16 reading at the calibration the model shipped with before.
+
+    python benchmarks/results/tuning/drift/lanes16/fit16.py          (output: fit16.txt)
+"""
+import math
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DRIFT = HERE.parent
+ROOT = HERE.parents[4]
+for path in (DRIFT / "power", DRIFT / "range", ROOT / "examples", ROOT / "benchmarks", ROOT):
+    sys.path.insert(0, str(path))
+from drift_check import spearman  # noqa: E402
+from drift_lanes import pairs  # noqa: E402
+from fit import fit  # noqa: E402
+from range import factor  # noqa: E402
+
+STEPS = 16
+TRUTH = DRIFT / "sampled-truth"
+POWER, REFIT = DRIFT / "power", DRIFT / "refit"
+RUNS = {  # length -> recordings (stems) of 16 lanes, read as 16 x 16
+    "smollm2-135m": {256: [HERE / "lanes16-smol-moby-256", HERE / "lanes16-smol-hamlet-256"],
+                     512: [TRUTH / "lanes16-s0-moby-512", TRUTH / "lanes16-s0-hamlet-512"],
+                     1024: [TRUTH / "lanes16-s0-moby-1024", TRUTH / "lanes16-s0-hamlet-1024"]},
+    "gemma3-270m": {256: [HERE / "lanes16-gemma-moby-256", HERE / "lanes16-gemma-hamlet-256"],
+                    512: [TRUTH / "lanes16-gemma-s0-moby-512", TRUTH / "lanes16-gemma-s0-hamlet-512"]}}
+FOUR_LANES = {  # length -> recordings of 4 lanes, read as 4 x 16 where there are none of 16
+    "smollm2-135m": {256: [POWER / "lanes4-smol-moby-256", POWER / "lanes4-smol-hamlet-256"],
+                     4096: [POWER / "lanes4-smol-moby-4096-w3", POWER / "lanes4-smol-hamlet-4096-w3"]},
+    "gemma3-270m": {256: [POWER / "lanes4-gemma-moby-256", POWER / "lanes4-gemma-hamlet-256"],
+                    1024: [POWER / "lanes4-gemma-moby-1024", POWER / "lanes4-gemma-hamlet-1024"]}}
+HELD_OUT = {"smollm2-135m": {512: [TRUTH / "lanes16-s1-moby-512", TRUTH / "lanes16-s1-hamlet-512"],
+                             1024: [TRUTH / "lanes16-s1-moby-1024", TRUTH / "lanes16-s1-hamlet-1024"]},
+            "gemma3-270m": {512: [TRUTH / "lanes16-gemma-s1-moby-512", TRUTH / "lanes16-gemma-s1-hamlet-512"]}}
+# the calibrations the models read with before (four lanes of 16 tokens under 2,048 tokens): scale points, slope
+BEFORE = {"smollm2-135m": (((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), 0.822),
+          "gemma3-270m": (((256, 0.2156), (512, 0.2257), (1024, 0.3794)), 0.641)}
+
+
+def readings(outs, lanes: range | None = None) -> list[tuple[float, float, int]]:
+    """(sampled KL over the first STEPS tokens of `lanes` — every recorded lane where None —, measured, lanes read)
+    per cache with a drift; a cache that keeps everything drifts 0 and is skipped."""
+    found = []
+    for out in outs:
+        for measured, grid in pairs(str(out)):
+            chosen = range(len(grid[0])) if lanes is None else lanes
+            width = len(chosen)
+            sampled = statistics.fmean(row[lane] for row in grid[:STEPS] for lane in chosen)
+            if sampled > 0:
+                found.append((sampled, measured, width))
+    return found
+
+
+def sources(model: str) -> dict[int, list[tuple[float, float, int]]]:
+    """length -> readings, from sixteen lanes where they are recorded, else from four."""
+    found = {}
+    for runs in (FOUR_LANES[model], RUNS[model]):
+        for length, outs in runs.items():
+            if all(Path(f"{o}.json").exists() for o in outs):
+                found[length] = readings(outs)
+    return dict(sorted(found.items()))
+
+
+def calibrate(model: str):
+    by_length = sources(model)
+    wide = {n: [(math.log(s), math.log(m)) for s, m, lanes in xs] for n, xs in by_length.items()
+            if xs[0][2] == 16}
+    slope, _ = fit(wide)
+    scales, ranges = {}, {}
+    for n, xs in by_length.items():
+        logs = [(math.log(s), math.log(m)) for s, m, _ in xs]
+        scales[n] = math.exp(statistics.median(y - slope * x for x, y in logs))
+        ranges[n] = factor([(scales[n] * s ** slope, m) for s, m, _ in xs])
+    return slope, scales, ranges, {n: (len(xs), xs[0][2]) for n, xs in by_length.items()}
+
+
+def scale_at(points, tokens):
+    from klevict_cli.calibrations import in_log_length
+
+    return in_log_length(tuple(points.items()) if isinstance(points, dict) else points, tokens)
+
+
+def scores(found, points, slope, ranges=None) -> list[float]:
+    """Spearman, median estimate / measured, within 1.5x, within 2x (and within the 80 % range) of held-out caches."""
+    est = [(scale_at(points, n) * s ** slope, m, n) for s, m, n in found]
+    ratios = [e / m for e, m, _ in est]
+    out = [spearman([e for e, _, _ in est], [m for _, m, _ in est]), statistics.median(ratios),
+           *(sum(1 / f <= r <= f for r in ratios) / len(ratios) for f in (1.5, 2.0))]
+    if ranges is not None:
+        out.append(sum(1 / scale_at(ranges, n) <= r <= scale_at(ranges, n) for r, (_, _, n) in zip(ratios, est))
+                   / len(est))
+    return out
+
+
+def shown(groups: list[list[float]]) -> str:
+    """The mean of each statistic over separate estimators (groups of lanes), as a table's cells."""
+    m = [statistics.fmean(g[i] for g in groups) for i in range(len(groups[0]))]
+    cells = [f"{m[0]:.3f}", f"{m[1]:.2f}"] + [f"{100 * x:.0f} %" for x in m[2:]]
+    return " | ".join(cells + [""] * (5 - len(cells)))
+
+
+if __name__ == "__main__":
+    fitted = {}
+    for model in RUNS:
+        slope, scales, ranges, sizes = calibrate(model)
+        fitted[model] = (scales, slope, ranges)
+        print(f"{model}: slope {slope:.3f} (fitted on the 16-lane lengths)")
+        print("| read length | caches | lanes read | scale | 80 % range factor |\n|---|---|---|---|---|")
+        for n in scales:
+            print(f"| {n} | {sizes[n][0]} | {sizes[n][1]} | {scales[n]:.4f} | {ranges[n]:.2f} |")
+        print(f"drift_calibration {[[n, round(c, 4)] for n, c in scales.items()]}, drift_slope {round(slope, 3)}, "
+              f"drift_range80 {[[n, round(f, 2)] for n, f in ranges.items()]}\n")
+    print("held out (seed-1 windows): | model · length | caches | reading | Spearman | median est./measured | "
+          "within 1.5x | within 2x | within the 80 % range |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, lengths in HELD_OUT.items():
+        scales, slope, ranges = fitted[model]
+        for n, outs in lengths.items():
+            if not all(Path(f"{o}.json").exists() for o in outs):
+                continue
+            sixteen = [(s, m, n) for s, m, _ in readings(outs)]
+            points, before = BEFORE[model]
+            fours = [scores([(s, m, n) for s, m, _ in readings(outs, range(k, k + 4))], points, before)
+                     for k in range(0, 16, 4)]  # each quarter of the lanes a separate estimator
+            print(f"| {model} · {n} | {len(sixteen)} | 4 x 16 at the calibration before (mean of 4 quarters) | "
+                  f"{shown(fours)} |")
+            print(f"| {model} · {n} | {len(sixteen)} | 16 x 16, fitted here | "
+                  f"{shown([scores(sixteen, scales, slope, ranges)])} |")
