@@ -93,13 +93,13 @@ class DriftCalibration:
 # (the real text of a long read needs more of what was evicted: names copied from far back), and the more so the
 # further a cache moved (measured over sampled KL falls as the budget tightens). So the estimate is a power of the
 # sampled KL, scaled by the read's length: `DriftCalibration`, fitted on the seed-0 tuning windows of the default
-# model (both texts, kl and kl-reconstruct at every budget of the recordings; one slope over the lengths sampled on
-# sixteen lanes, and at each length the scale that makes the median of measured over estimated 1: docs/method.md,
+# model (both texts, kl and kl-reconstruct at every budget of the recordings; one slope over every length, and at
+# each length the scale that makes the median of measured over estimated 1: docs/method.md,
 # "Estimated drift"); every model reads with it unless klevict ships its own (`drift_calibration`). The real next
 # page still scatters about the estimate by window, by about 1.9x either way for one cache in five: its 80 % range
 # on those windows (docs/method.md, "How far to trust the estimate"; benchmarks/results/tuning/drift/lanes16/fit16.py).
-DRIFT_CALIBRATION = DriftCalibration(((256, 0.2334), (512, 0.3084), (1024, 0.4218), (4096, 0.5369)), slope=0.813,
-                                     range80=((256, 1.70), (512, 1.86), (1024, 2.03), (4096, 1.72)))
+DRIFT_CALIBRATION = DriftCalibration(((256, 0.2494), (512, 0.3364), (1024, 0.4530), (4096, 0.5742)), slope=0.836,
+                                     range80=((256, 1.66), (512, 1.89), (1024, 2.06), (4096, 1.79)))
 
 
 def shipped_file(weights_sha256: str) -> dict | None:

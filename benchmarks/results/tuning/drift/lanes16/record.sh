@@ -1,7 +1,8 @@
 #!/bin/bash
 # Seed-0 tuning recordings of the drift on 16 lanes of 32 tokens (every token's KL kept), where
-# ../sampled-truth/lanes.sh has none: 256 tokens for both models (4 windows a text, the budgets of ../power/record.sh)
-# (Gemma-3-270M at 1,024 is read off its four-lane recordings: fit16.py). Two runs at a time, one thread each.
+# ../sampled-truth/lanes.sh has none: SmolLM2 at 256 tokens (4 windows a text, the budgets of ../power/record.sh).
+# Gemma-3-270M's other lengths, and SmolLM2's 4,096, are read off their four-lane recordings (fit16.py). Two runs at
+# a time, one thread each.
 # bash benchmarks/results/tuning/drift/lanes16/record.sh; then python benchmarks/results/tuning/drift/lanes16/fit16.py
 cd /work/main
 OUT=benchmarks/results/tuning/drift/lanes16
@@ -12,4 +13,3 @@ rec() {  # NAME TEXT MODEL WINDOWS CONTEXT BUDGETS
 }
 ALL=50%,20%,10%,5%,32,64
 rec lanes16-smol-moby-256 $M smollm2-135m 4 256 $ALL & rec lanes16-smol-hamlet-256 $H smollm2-135m 4 256 $ALL & wait
-rec lanes16-gemma-moby-256 $M gemma3-270m 4 256 $ALL & rec lanes16-gemma-hamlet-256 $H gemma3-270m 4 256 $ALL & wait
