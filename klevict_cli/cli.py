@@ -313,18 +313,20 @@ def _patch_argument_help() -> None:
 _patch_argument_help()
 
 
-def resolve_options(config: Path | None, from_file: dict | None = None, **cli: Any) -> dict[str, Any]:
+def resolve_options(config: Path | None, from_file: dict | None = None, answers: bool = False, **cli: Any
+                    ) -> dict[str, Any]:
     """Every option, from the command line, then the config file, then the defaults; checked. A bad value from the
     file is refused naming the file and its key (the file's values that the command line leaves in force are
-    checked alone first), not a flag the user never typed. `from_file`: the config already read (load_config)."""
+    checked alone first), not a flag the user never typed. `from_file`: the config already read (load_config).
+    `answers`: the command writes an answer (`ask`, `summarize`), so --max-new-tokens is at least 1."""
     from_file = load_config(config) if from_file is None else from_file
     in_force = {key: value for key, value in from_file.items() if cli.get(key) is None}
     try:
-        check_options(merge_options({}, in_force, DEFAULTS))
+        check_options(merge_options({}, in_force, DEFAULTS), answers)
     except UsageError as err:
         raise UsageError(f"config file {config}: {config_words(str(err), in_force)}") from None
     try:
-        return check_options(merge_options(cli, from_file, DEFAULTS))
+        return check_options(merge_options(cli, from_file, DEFAULTS), answers)
     except UsageError as err:  # the command line against the file (--max-kl given, method: none in the file)
         named = [key for key in in_force if f"--{key.replace('_', '-')}" in str(err)]
         raise UsageError(f"{err} ({', '.join(named)}: from config file {config})" if named else str(err)) from None
@@ -338,8 +340,9 @@ def config_words(message: str, from_file: dict) -> str:
     return message
 
 
-def check_options(opts: dict[str, Any]) -> dict[str, Any]:
-    """Refuse a malformed option with a UsageError that names it; returns `opts`."""
+def check_options(opts: dict[str, Any], answers: bool = False) -> dict[str, Any]:
+    """Refuse a malformed option with a UsageError that names it; returns `opts`. `answers`: the command writes an
+    answer, which --max-new-tokens 0 (a planned answer length for `compress`) would leave empty."""
     if opts.get("budget") is not None:
         parse_budget(str(opts["budget"]))
     parse_working_limit(opts.get("working_limit"))
@@ -349,7 +352,9 @@ def check_options(opts: dict[str, Any]) -> dict[str, Any]:
         check_positive_int("chunk_size", opts["chunk_size"])
     check_positive_int("probe_window", opts["probe_window"])
     if opts.get("max_new_tokens") is not None:
-        check_int_range("max_new_tokens", opts["max_new_tokens"], 0, MAX_COUNT)
+        if answers and opts["max_new_tokens"] == 0:
+            raise UsageError("--max-new-tokens 0 leaves no room for an answer; give at least 1")
+        check_int_range("max_new_tokens", opts["max_new_tokens"], 1 if answers else 0, MAX_COUNT)
     if opts.get("prompt") is not None and not str(opts["prompt"]).strip():
         raise UsageError("--prompt is empty; give an instruction, or leave --prompt out for a summary")
     check_int_range("seed", opts["seed"], 0, 2**64 - 1)  # what torch's generators take
@@ -578,8 +583,8 @@ def summarize(
                            temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
                            no_repeat=no_repeat, position_mode=position_mode, probe_window=probe_window, json=json_out,
                            working_limit=working_limit, reconstruct=reconstruct, quiet=quiet, prompt=prompt,
-                           max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype)
-    check_answer_length(opts)
+                           max_memory=max_memory, max_kl=max_kl, estimate=estimate, probe_dtype=probe_dtype,
+                           answers=True)
     unused_by_full_cache(opts)
     prompt_text = typed_text(opts, "the prompt", opts["prompt"]) if opts["prompt"] is not None \
         else DEFAULT_SUMMARY_PROMPT
@@ -794,8 +799,8 @@ def ask(
     """Answer questions from a compressed cache, without re-reading the document."""
     opts = resolve_options(config, model=model, device=device, dtype=dtype, seed=seed, threads=threads,
                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           repetition_penalty=repetition_penalty, no_repeat=no_repeat, json=json_out, quiet=quiet)
-    check_answer_length(opts)
+                           repetition_penalty=repetition_penalty, no_repeat=no_repeat, json=json_out, quiet=quiet,
+                           answers=True)
     if any(str(path) == "-" for path in cache_files):  # a cache is checked whole before use: it must be a file
         raise UsageError("ask reads a cache from a file, not standard input (- is for the questions); save it with"
                          " compress -o FILE.kvc")
@@ -940,13 +945,6 @@ def typed_text(opts: dict, name: str, typed: str | bytes) -> str:
     for line in notes:
         note(opts, f"note: {line}")
     return text
-
-
-def check_answer_length(opts: dict) -> None:
-    """`ask` and `summarize` write an answer: --max-new-tokens 0 (a planned answer length for `compress`) would print
-    nothing and succeed."""
-    if opts["max_new_tokens"] == 0:
-        raise UsageError("--max-new-tokens 0 leaves no room for an answer; give at least 1")
 
 
 def _questions(opts: dict, question: str) -> list[str]:

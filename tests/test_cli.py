@@ -1611,12 +1611,16 @@ def test_ask_with_one_argument_says_what_is_missing(compressed):
 
 def test_an_answer_of_no_tokens_and_an_empty_prompt_are_refused(compressed, doc, model):
     """ask / summarize with --max-new-tokens 0 would print nothing and succeed; --prompt '' or '   ' is no
-    instruction (as an empty question is none). compress keeps 0: there it only plans the answer's room."""
+    instruction (as an empty question is none). compress keeps 0: there it only plans the answer's room, and a
+    negative length is refused with the range the command takes."""
     assert_error(invoke("ask", compressed[0], QUESTIONS[0], "--model", model, "--max-new-tokens", "0"), 2,
                  "--max-new-tokens 0 leaves no room for an answer")
     for prompt in ("", "   "):
         assert_error(invoke("summarize", doc, "--model", model, "--prompt", prompt), 2, "--prompt is empty")
     assert_error(invoke("summarize", doc, "--model", model, "--max-new-tokens", "0"), 2, "no room for an answer")
+    for command in (["ask", compressed[0], QUESTIONS[0]], ["summarize", doc]):  # the range named is the command's
+        assert_error(invoke(*command, "--model", model, "--max-new-tokens", "-1"), 2,
+                     "invalid --max-new-tokens '-1'; must be an integer from 1 to")
 
 
 def test_a_cache_from_standard_input_is_refused_with_what_to_do(model):
