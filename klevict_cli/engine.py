@@ -27,7 +27,7 @@ from klevict_cli.probes import SINKS, Drafts, ProbeRequest, ProbeSet, Reconstruc
 from klevict_cli.quantized import stored_cache
 from klevict_cli.sampling import SpanBan, penalise_repeats, sample, sample_rows, seeded
 from klevict_cli.tolerance import smallest_within
-from klevict_kernels.kl import ReferenceDistributions
+from klevict_kernels.kl import ReferenceDistributions, SupportedReference
 from klevict_kernels.refit import refit_values
 
 POSITION_MODES = ("auto", "original", "compact")
@@ -132,6 +132,10 @@ def plan_positions(
 DRIFT_STEPS = 16
 DRIFT_LANES = 16
 DRIFT_CHEAP = 1024
+# Where the drift is measured from the change of the output head's inputs (a linear head, a narrower probe copy:
+# `Engine.measure_drift`), the head and the KL run over the union of each row's DRIFT_SUPPORT likeliest tokens, the
+# rest of each row's mass one bucket at its exact mean change (kernels/kl.py, SupportedReference)
+DRIFT_SUPPORT = 2048
 DRIFT_SEED = 104_729  # their samples' seed is the read's plus this: never the drafts that judge the choice
 DRIFT_TEMPERATURE = 1.0  # the model's own distribution: 0.7 ranked caches worse (docs/research-log.md)
 # The most bytes a read sets aside of what it evicted, to measure its drift against the whole read (cache.Evicted):
@@ -165,11 +169,25 @@ class Continuation:
     # (len(tokens) - 1, d): the output head's inputs for all rows but the last, where the model's head is linear and a
     # probe copy holds it at a narrower dtype (`Engine.measure_drift` computes the logits' change from them)
     head_inputs: torch.Tensor | None = None
+    supported: SupportedReference | None = field(default=None, repr=False)  # `over_support`'s, once prepared
 
     @functools.cached_property
     def before(self) -> ReferenceDistributions:
         """Its distributions prepared once, for every cache measured against them (`Engine.measure_drift`)."""
         return ReferenceDistributions(self.logits)
+
+    @functools.cached_property
+    def last(self) -> ReferenceDistributions:
+        """The last row's distribution alone: where the others are measured from the head's inputs, its logits
+        after a choice still come whole from the model."""
+        return ReferenceDistributions(self.logits[-1:])
+
+    def over_support(self, weight: torch.Tensor) -> SupportedReference:
+        """The distributions of every row but the last over the union of each one's DRIFT_SUPPORT likeliest tokens,
+        for a linear head whose rows are `weight` (kernels/kl.py, SupportedReference); prepared once."""
+        if self.supported is None:
+            self.supported = SupportedReference(self.logits[:-1], DRIFT_SUPPORT, weight)
+        return self.supported
 
 
 class Engine:
@@ -703,9 +721,11 @@ class Engine:
         after, ctx = self.forward(stream, drafted.tokens, logits_rows=len(drafted.tokens), probing=True,
                                   measuring=True, lanes=lanes, head_inputs=cheap)
         self.forget_drafts(stream, len(drafted.tokens))
-        if cheap:  # the logits' change through the probe copy's head: its rounding scales with the change
-            moved = self.head_change(ctx.sampled_inputs.float() - drafted.head_inputs.float())
-            kl = drafted.before.kl_of_change(torch.cat((moved, after.float() - drafted.logits[-1:].float())))
+        if cheap:  # the logits' change through the probe copy's head, over the likeliest tokens: its rounding scales
+            # with the change
+            weight = self.probe_model.get_output_embeddings().weight
+            change = ctx.sampled_inputs.float() - drafted.head_inputs.float()
+            kl = torch.cat((drafted.over_support(weight).kl_of_head_change(change), drafted.last.kl(after)))
         else:
             kl = drafted.before.kl(after)
         per_lane = kl.view(-1, drafted.lanes).mean(dim=0)
@@ -719,14 +739,6 @@ class Engine:
         if likely is not None and drafted.whole:  # the range was measured on whole reads' estimates
             drift["range80"] = list(likely)
         return drift
-
-    @torch.inference_mode()
-    def head_change(self, change: torch.Tensor) -> torch.Tensor:
-        """How far a linear output head's logits move for a `change` (rows, d) of its inputs: the probe copy's head
-        on the change alone (a bias cancels), whose rounding is relative to the change, not to the logits — on a
-        CPU with bfloat16 arithmetic 4x faster than the model's float32 head over Gemma-3's 262,144 tokens."""
-        weight = self.probe_model.get_output_embeddings().weight
-        return torch.nn.functional.linear(change.to(weight.dtype), weight).float()
 
     def refit_targets(self, stream: Stream, ctx: ForwardContext, step: EvictionStep, held: dict[int, int] | None = None
                       ) -> dict:

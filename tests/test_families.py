@@ -682,7 +682,7 @@ def test_probes_on_a_bfloat16_copy_read_every_family(family):
 
 def test_the_drift_through_the_copys_head_is_each_familys_own_kl(family, monkeypatch):
     """With a bfloat16 probe copy, the drift is taken from the change of the model's head inputs through the copy's
-    head (Engine.head_change) where the head is linear: the same measurement with whole logits from the model
+    head (Engine.measure_drift) where the head is linear: the same measurement with whole logits from the model
     (the continuation without its head inputs) gives the same KL, to the rounding of the change."""
     _, model, adapter = family
     drift_through_the_copys_head(model, adapter, monkeypatch)

@@ -91,11 +91,18 @@ def test_the_drift_is_measured_on_the_model_though_its_tokens_were_sampled_on_th
     assert stream.drift["kl"] > 0
 
 
-def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monkeypatch):
+@pytest.mark.parametrize("support, rel", [(None, 1e-3), (8, 0.05)])
+def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monkeypatch, support, rel):
     """With a probe copy, the continuation's logits after the choice are not computed whole: the change of the
-    model's head inputs goes through the copy's head (Engine.head_change), and the KL from that change is the
-    model's own KL over the chosen cache, lane by lane, to within bfloat16's rounding of the change (the KL's
-    slope in the change is small where the caches are close)."""
+    model's head inputs goes through the copy's head over each row's likeliest tokens (kernels/kl.py,
+    SupportedReference), and the KL from that change is the model's own KL over the chosen cache, lane by lane, to
+    within bfloat16's rounding of the change (the KL's slope in the change is small where the caches are close)
+    where the support is every token (the tiny model's 300), and a little below it where it is the union of each
+    row's 8 likeliest."""
+    from klevict_cli import engine as engine_module
+
+    if support is not None:
+        monkeypatch.setattr(engine_module, "DRIFT_SUPPORT", support)
     seen = []
     measure = Engine.measure_drift
     monkeypatch.setattr(Engine, "measure_drift", lambda self, stream, drafted: seen.append(drafted) or measure(
@@ -106,7 +113,8 @@ def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monke
     after = lane_by_lane(engine, stream, drafted)  # the model's full logits over the chosen cache
     p, q = drafted.logits.double().log_softmax(-1), after.double().log_softmax(-1)
     exact = float((p.exp() * (p - q)).sum(-1).mean())
-    assert exact > 1e-3 and stream.drift["sampled_kl"] == pytest.approx(exact, rel=1e-3)
+    assert exact > 1e-3 and stream.drift["sampled_kl"] == pytest.approx(exact, rel=rel)
+    assert len(drafted.supported.support) == 300 if support is None else len(drafted.supported.support) < 300
 
 
 def test_the_read_itself_runs_on_the_model():

@@ -126,6 +126,7 @@ if __name__ == "__main__":
     print("held out (seed-1 windows): | model · length | caches | reading | Spearman | median est./measured | "
           "within 1.5x | within 2x | within the 80 % range |")
     print("|---|---|---|---|---|---|---|---|")
+    before_pooled, after_pooled = [[] for _ in range(4)], []  # (estimate, measured, _) of every held-out cache
     for model, lengths in HELD_OUT.items():
         scales, slope, ranges = fitted[model]
         for n, outs in lengths.items():
@@ -139,3 +140,10 @@ if __name__ == "__main__":
                   f"{shown(fours)} |")
             print(f"| {model} · {n} | {len(sixteen)} | 16 x 16, fitted here | "
                   f"{shown([scores(sixteen, scales, slope, ranges)])} |")
+            after_pooled += [(scale_at(scales, n) * s ** slope, m, 1) for s, m, _ in sixteen]
+            for k, quarter in enumerate(before_pooled):
+                quarter += [(scale_at(points, n) * s ** before, m, 1) for s, m, _ in readings(outs, range(4 * k, 4 * k + 4))]
+    calibrated = (((1, 1.0),), 1.0)  # each estimate already carried through its calibration
+    print(f"| pooled | {len(after_pooled)} | 4 x 16 as before (mean of 4 quarters) | "
+          f"{shown([scores(quarter, *calibrated) for quarter in before_pooled])} |")
+    print(f"| pooled | {len(after_pooled)} | 16 x 16 | {shown([scores(after_pooled, *calibrated)])} |")
