@@ -140,9 +140,9 @@ BenchConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML file
                                                      "flags only. A note names the config's other keys, which bench"
                                                      " ignores.")]
 EstimateOpt = Annotated[bool | None, typer.Option("--estimate/--no-estimate", help="Measure how far the last eviction "
-                                                 "moved the model (estimated_kl; 4 x 16-32 sampled tokens, 1-4 s "
-                                                 "on a CPU). Default: on for compress of 1,024 tokens or more, off "
-                                                 "for summarize.")]
+                                                 "moved the model (estimated_kl; 16 x 16 sampled tokens: on a CPU "
+                                                 "about twice a short read's time). Default: on for compress of "
+                                                 "1,024 tokens or more, off for summarize.")]
 MaxKlOpt = Annotated[float | None, typer.Option("--max-kl", help="Keep the smallest cache whose estimated drift "
                                                "(mean next-token KL, nats per token) is at most this; a --budget "
                                                "given is then only a cap (the default budget does not apply).")]
