@@ -123,12 +123,11 @@ def plan_positions(
 
 # The read's drift is measured on DRIFT_LANES continuations of DRIFT_STEPS tokens sampled side by side
 # (`Engine.drafts_for_drift`, attention.Lanes): one continuation's KL depends on the sample, and the model's own
-# continuations vary more from one another than one lane shows (Gemma-3-270M's about 2.3x as much as SmolLM2's). On
-# held-out windows, scored against the real next page, 16 lanes of 16 tokens ranked caches better than 4 lanes of
-# 16 or 32 on both packaged models (Spearman SmolLM2 0.92 / 0.95 at 512 / 1,024 tokens, Gemma-3-270M 0.95 at 512,
-# against 0.90 / 0.90 / 0.56 for 4 x 16), and 16 sequential forwards of 16 tokens cost about what 32 of 4 did
-# (docs/research-log.md, "sixteen lanes"). A read measures it by default only where it is cheap beside the read:
-# from DRIFT_CHEAP tokens (`drift_steps`); below, the estimate would cost a short read about as much again.
+# continuations vary from one another more than a few lanes show (Gemma-3-270M's about 2.3x as much as SmolLM2's).
+# On held-out windows, against the real next page, 16 lanes of 16 tokens ranked caches better than the 4 of 16 read
+# before on both packaged models (Spearman 0.91 against 0.83 pooled over 96 caches; Gemma-3-270M at 512 tokens 0.95
+# against 0.56) and about as well as 16 of 32 (docs/research-log.md, "sixteen lanes"). A read measures it by
+# default only where it is cheap beside the read: from DRIFT_CHEAP tokens (`drift_steps`).
 DRIFT_STEPS = 16
 DRIFT_LANES = 16
 DRIFT_CHEAP = 1024
