@@ -631,10 +631,15 @@ class Engine:
                         keep: range, targets: dict | None, drafted: Continuation) -> tuple[str, int, dict]:
         """Of the storage dtypes and the budget each gets, the one whose cache, evicted to that budget and stored,
         drifts least on the sampled continuation (the first, with more bits, on a tie): fewer entries against
-        coarser ones, judged by the KL the stored cache gives, quantization error included. Returns it, its budget
-        and its drift (what the stream's eviction to that budget, stored, would measure again)."""
-        best = None
+        coarser ones, judged by the KL the stored cache gives, quantization error included. A dtype with fewer bits
+        is tried only where it buys more entries than every one before it (the storage is ordered most bits first):
+        the same entries, coarser, can only win by the sample's chance (a `--budget` capping all of them). Returns it,
+        its budget and its drift (what the stream's eviction to that budget, stored, would measure again)."""
+        best, most = None, 0
         for dtype, budget in self.storage.items():
+            if budget <= most:
+                continue
+            most = budget
             trial = stream.clone()
             at_budget, fit = self._at_budget(stream, step, scores, recent, budget, targets)
             self._keep_best(trial, at_budget, recent, budget, keep, fit)

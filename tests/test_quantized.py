@@ -290,6 +290,27 @@ def test_the_storage_whose_cache_drifts_least_is_chosen(session, monkeypatch):
     assert size <= limit.resolve((result.document_tokens + result.prefix_tokens) * session.bytes_per_token())
 
 
+def test_a_storage_with_fewer_bits_is_tried_only_where_it_keeps_more_entries(session, monkeypatch):
+    """A --budget that caps every storage at the same entries leaves int8 and int4 nothing to offer but coarser
+    values: float16 is kept without measuring them, however the sample would have ranked them."""
+    from klevict_cli.engine import Engine
+    from klevict_cli.options import ByteLimit
+
+    tried = []
+    real = Engine.measure_drift
+
+    def drift(self, stream, drafted):
+        tried.append(stream.stored_as)
+        return {**real(self, stream, drafted), "kl": {"float16": 3.0, "int8": 1.0, "int4": 2.0}[stream.stored_as]}
+
+    monkeypatch.setattr(Engine, "measure_drift", drift)
+    ids = session.lm.tokenizer(TEXT)["input_ids"]
+    settings = ReadSettings(budget=Budget(tokens=40), method="kl", chunk_size=64, probe_window=8,
+                            max_bytes=ByteLimit(share=0.5))
+    result = session.read_tokens(ids, settings, reserve=8)
+    assert tried == ["float16"] and result.stream.stored_as == "float16" and result.plan.budget == 40
+
+
 def test_new_keys_or_values_for_a_quantized_layer_make_it_floats_first():
     """Re-rotating keys (compact positions) assigns new keys for every entry, and a refit writes into the values: a
     quantized layer must take them, not keep decoding its codes."""
