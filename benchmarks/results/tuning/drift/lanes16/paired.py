@@ -1,5 +1,6 @@
-"""The held-out tolerance runs on sixteen lanes (heldout.sh) beside the same windows read on four: the first half of
-each earlier run's windows (a run's first windows are a shorter run's). Per model and length, the window x
+"""The held-out tolerance runs on sixteen lanes (heldout.sh) beside the same windows read on four: as many of each
+earlier run's first windows as the run on sixteen lanes read (a run's first windows are a shorter run's). Per model
+and length, the window x
 tolerance pairs whose measured KL is within 1.5x of the tolerance, the median measured / asked per tolerance, and
 each tolerance's read time over the `--budget 10%` read of the same window (median); then, over every cache of the
 runs, the estimate against the measured KL.
@@ -23,14 +24,18 @@ SETS = [("smollm2-135m", 512, "SmolLM2-135M · 512"), ("smollm2-135m", 1024, "Sm
         ("gemma3-270m", 512, "Gemma-3-270M · 512"), ("gemma3-270m", 1024, "Gemma-3-270M · 1,024")]
 
 
-def load(pattern: str, half: bool) -> tuple[dict, list[tuple[float, float]]]:
-    """(model, length) -> {"ratios": tolerance -> measured / asked, "cost": read time ratios}; and (estimate,
-    measured) of every cache with an estimate."""
-    found, estimates = {}, []
+def load(pattern: str, read: dict | None = None) -> tuple[dict, list[tuple[float, float]], dict]:
+    """(model, length) -> {"ratios": tolerance -> measured / asked, "cost": read time ratios}; (estimate, measured)
+    of every cache with an estimate; and the windows each (model, length, text) read. `read`: only that many of
+    each run's first windows."""
+    found, estimates, windows = {}, [], {}
     for path in sorted(glob.glob(pattern)):
         data = json.loads(Path(path).read_text())
         settings, rows = data["settings"], data["fidelity"]["results"]["kl"]
-        n = settings["windows"] // 2 if half else settings["windows"]
+        key = (settings["model"], settings["context"], settings["document"]["sha256"])
+        if read is not None and key not in read:  # not read on sixteen lanes
+            continue
+        n = windows[key] = settings["windows"] if read is None else read[key]
         base = rows["10%"]["per_window"]["seconds"][:n]
         for label, row in rows.items():
             window = row["per_window"]
@@ -40,12 +45,12 @@ def load(pattern: str, half: bool) -> tuple[dict, list[tuple[float, float]]]:
                 entry = found.setdefault((settings["model"], settings["context"]), {"ratios": {}, "cost": []})
                 entry["ratios"].setdefault(asked, []).extend(m / asked for m in window["kl"][:n])
                 entry["cost"] += [a / b for a, b in zip(window["seconds"][:n], base)]
-    return found, estimates
+    return found, estimates, windows
 
 
 if __name__ == "__main__":
-    new, new_estimates = load(sys.argv[1], half=False)
-    old, old_estimates = load(sys.argv[2], half=True)
+    new, new_estimates, read = load(sys.argv[1])
+    old, old_estimates, _ = load(sys.argv[2], read)
     print("| model · length | windows × tolerances | within 1.5×, 16 lanes | 4 lanes | measured / asked, median "
           "(0.01 / 0.03 / 0.1) | read time over --budget 10%, 4 → 16 lanes |\n|---|---|---|---|---|---|")
     totals = [0, 0, 0]
