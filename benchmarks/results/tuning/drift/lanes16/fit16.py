@@ -1,7 +1,8 @@
 """The drift calibration for sixteen lanes of 16 tokens (engine.DRIFT_LANES x DRIFT_STEPS), fitted as power/fit.py
 fits: measured KL = scale(L) * sampled KL ** slope on seed-0 tuning recordings only, one slope per model (least
 squares in logs over every length, each centred on its own means), at each length the scale that makes the median of
-measured over estimated 1, and the 80 % range factor there (range/range.py's `factor`, on the same caches).
+measured over estimated 1, and the 80 % range factor there (range/range.py's `factor`, on the same caches and,
+where there are any, the caches of drift tables read on other tuning windows with this calibration: `RANGE_MORE`).
 
 Sources, per model and read length: recordings of 16 lanes (record.sh here, ../sampled-truth/lanes.sh), read as 16
 lanes x 16 tokens; where there are none, recordings of 4 lanes (../power/record.sh, ../refit/record.sh) read as
@@ -16,6 +17,7 @@ calibration, against the 4 x 16 reading at the calibration the model shipped wit
 
     python benchmarks/results/tuning/drift/lanes16/fit16.py          (output: fit16.txt)
 """
+import json
 import math
 import statistics
 import sys
@@ -44,6 +46,12 @@ FOUR_LANES = {  # length -> recordings of 4 lanes, read as 4 x 16 where there ar
                      4096: [POWER / "lanes4-smol-moby-4096-w3", POWER / "lanes4-smol-hamlet-4096-w3"]},
     "gemma3-270m": {256: [POWER / "lanes4-gemma-moby-256", POWER / "lanes4-gemma-hamlet-256"],
                     1024: [POWER / "lanes4-gemma-moby-1024", POWER / "lanes4-gemma-hamlet-1024"]}}
+# Drift tables on seed-2 windows (tuning: as ../range/record.sh read for the four-lane range), read with this
+# calibration (`lanes16/range/`, the command in each file): the seed-0 recordings alone gave the default model's range
+# at 256 tokens 1.66, which held 72 % of a held-out drift table there (docs/research-log.md, "sixteen lanes")
+RANGE = HERE / "range"
+RANGE_MORE = {"smollm2-135m": {256: [RANGE / "drift-smol-s2-moby-256.json", RANGE / "drift-smol-s2-hamlet-256.json"],
+                               512: [RANGE / "drift-smol-s2-moby-512.json", RANGE / "drift-smol-s2-hamlet-512.json"]}}
 HELD_OUT = {"smollm2-135m": {512: [TRUTH / "lanes16-s1-moby-512", TRUTH / "lanes16-s1-hamlet-512"],
                              1024: [TRUTH / "lanes16-s1-moby-1024", TRUTH / "lanes16-s1-hamlet-1024"]},
             "gemma3-270m": {512: [TRUTH / "lanes16-gemma-s1-moby-512", TRUTH / "lanes16-gemma-s1-hamlet-512"]}}
@@ -76,15 +84,27 @@ def sources(model: str) -> dict[int, list[tuple[float, float, int]]]:
     return dict(sorted(found.items()))
 
 
+def estimated(path: Path) -> list[tuple[float, float]]:
+    """(estimate, measured) of every cache of a bench result read with its drift estimated."""
+    found = []
+    for rows in json.loads(path.read_text())["fidelity"]["results"].values():
+        for row in rows.values():
+            window = row["per_window"]
+            found += [(e, m) for e, m in zip(window.get("estimated_kl", []), window["kl"]) if e and m > 0]
+    return found
+
+
 def calibrate(model: str):
     by_length = sources(model)
     slope, _ = fit({n: [(math.log(s), math.log(m)) for s, m, _ in xs] for n, xs in by_length.items()})
-    scales, ranges = {}, {}
+    scales, ranges, sizes = {}, {}, {}
     for n, xs in by_length.items():
         logs = [(math.log(s), math.log(m)) for s, m, _ in xs]
         scales[n] = math.exp(statistics.median(y - slope * x for x, y in logs))
-        ranges[n] = factor([(scales[n] * s ** slope, m) for s, m, _ in xs])
-    return slope, scales, ranges, {n: (len(xs), xs[0][2]) for n, xs in by_length.items()}
+        more = [pair for path in RANGE_MORE.get(model, {}).get(n, []) if path.exists() for pair in estimated(path)]
+        ranges[n] = factor([(scales[n] * s ** slope, m) for s, m, _ in xs] + more)
+        sizes[n] = (len(xs), xs[0][2], len(more))
+    return slope, scales, ranges, sizes
 
 
 def scale_at(points, tokens):
@@ -118,9 +138,10 @@ if __name__ == "__main__":
         slope, scales, ranges, sizes = calibrate(model)
         fitted[model] = (scales, slope, ranges)
         print(f"{model}: slope {slope:.3f}")
-        print("| read length | caches | lanes read | scale | 80 % range factor |\n|---|---|---|---|---|")
+        print("| read length | caches | lanes read | scale | 80 % range factor (+ other tuning caches) |\n"
+              "|---|---|---|---|---|")
         for n in scales:
-            print(f"| {n} | {sizes[n][0]} | {sizes[n][1]} | {scales[n]:.4f} | {ranges[n]:.2f} |")
+            print(f"| {n} | {sizes[n][0]} | {sizes[n][1]} | {scales[n]:.4f} | {ranges[n]:.2f} (+ {sizes[n][2]}) |")
         print(f"drift_calibration {[[n, round(c, 4)] for n, c in scales.items()]}, drift_slope {round(slope, 3)}, "
               f"drift_range80 {[[n, round(f, 2)] for n, f in ranges.items()]}\n")
     print("held out (seed-1 windows): | model · length | caches | reading | Spearman | median est./measured | "
