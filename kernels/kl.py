@@ -69,26 +69,21 @@ class SupportedReference:
         self.support = exact.topk(min(keep, exact.shape[-1]), dim=-1).indices.flatten().unique()  # sorted ids
         self.weight = weight[self.support]  # (S, d): the head's rows over the support
         inside = exact[:, self.support]
-        self.log_probs = inside.float()
-        self.probs = inside.exp().float()
-        self.top = inside.argmax(dim=-1, keepdim=True)  # each row's likeliest token, within the support
         rest = (1.0 - inside.exp().sum(dim=-1)).clamp(min=0.0)  # each row's mass outside the support
-        self.rest, self.log_rest = rest.float(), rest.log().float()  # log: -inf where the support holds it all
-        self.log_total = _logsumexp_(torch.cat((self.log_probs, self.log_rest[:, None]), dim=-1))
+        self.rest = rest.float()
+        # the support's tokens and the rest as one more (log -inf where the support holds it all): measured as
+        # ReferenceDistributions measures every change
+        self.bucketed = ReferenceDistributions(torch.cat((inside, rest.log()[:, None]), dim=-1))
         outside = exact.exp_().to(weight.dtype)
         outside[:, self.support] = 0
-        self.rest_direction = (outside @ weight).float() / rest.float().clamp(min=1e-30)[:, None]  # (M, d)
+        self.rest_direction = (outside @ weight).float() / self.rest.clamp(min=1e-30)[:, None]  # (M, d)
 
     def kl_of_head_change(self, change: torch.Tensor) -> torch.Tensor:
-        """Per row, KL(p_reference ‖ p) for the logits the head makes from its inputs moved by `change` (M, d): as
-        ReferenceDistributions.kl_of_change over the support, the rest one more token with its mass and mean change."""
+        """Per row, KL(p_reference ‖ p) for the logits the head makes from its inputs moved by `change` (M, d): the
+        change over the support, and the rest's mean change as one more token's."""
         support_change = torch.nn.functional.linear(change.to(self.weight.dtype), self.weight).float()  # (M, S)
-        shift = support_change.gather(-1, self.top)  # from the likeliest token's change, as there
-        support_change -= shift
-        rest_change = torch.linalg.vecdot(change.float(), self.rest_direction) - shift[:, 0]
-        mean_change = torch.linalg.vecdot(self.probs, support_change) + self.rest * rest_change
-        terms = torch.cat((support_change.add_(self.log_probs), (self.log_rest + rest_change)[:, None]), dim=-1)
-        return (_logsumexp_(terms) - self.log_total - mean_change).double().clamp(min=0)
+        rest_change = torch.linalg.vecdot(change.float(), self.rest_direction)
+        return self.bucketed.kl_of_change(torch.cat((support_change, rest_change[:, None]), dim=-1))
 
 
 def _logsumexp_(x: torch.Tensor) -> torch.Tensor:
