@@ -13,7 +13,9 @@ measurement at 256 tokens, two runs sharing two cores), so its slope is fitted o
 has (at 512 tokens alone it would be 0.50, from 4 windows).
 
 Then the held-out check: the seed-1 recordings of ../sampled-truth/ (never fitted on), read as 16 x 16 at this
-calibration, against the 4 x 16 reading at the calibration the model shipped with before.
+calibration, against the 4 x 16 reading at the calibration the model shipped with before; and how many of the caches
+of the held-out bench runs read on sixteen lanes (heldout/: the `--max-kl` runs on seeds 1 and 5, the seed-1 drift
+table at 256 tokens) land in the 80 % range fitted here, from the estimate each recorded.
 
     python benchmarks/results/tuning/drift/lanes16/fit16.py          (output: fit16.txt)
 """
@@ -31,7 +33,7 @@ for path in (DRIFT / "power", DRIFT / "range", ROOT / "examples", ROOT / "benchm
 from drift_check import spearman  # noqa: E402
 from drift_lanes import pairs  # noqa: E402
 from fit import fit  # noqa: E402
-from range import factor  # noqa: E402
+from range import bench_logs, coverage, factor  # noqa: E402
 
 STEPS = 16
 TRUTH = DRIFT / "sampled-truth"
@@ -51,10 +53,17 @@ FOUR_LANES = {  # length -> recordings of 4 lanes, read as 4 x 16 where there ar
 # at 256 tokens 1.66, which held 72 % of a held-out drift table there (docs/research-log.md, "sixteen lanes")
 RANGE = HERE / "range"
 RANGE_MORE = {"smollm2-135m": {256: [RANGE / "drift-smol-s2-moby-256.json", RANGE / "drift-smol-s2-hamlet-256.json"],
-                               512: [RANGE / "drift-smol-s2-moby-512.json", RANGE / "drift-smol-s2-hamlet-512.json"]}}
+                               512: [RANGE / "drift-smol-s2-moby-512.json", RANGE / "drift-smol-s2-hamlet-512.json"]},
+              # Gemma-3-270M's on seeds 2 and 3, 2 windows a text (record.sh there), as the four-lane range read 2-4
+              "gemma3-270m": {n: [RANGE / f"drift-gemma-s{seed}-{text}-{n}.json" for seed in (2, 3)
+                                  for text in ("moby", "hamlet")] for n in (256, 512, 1024)}}
 HELD_OUT = {"smollm2-135m": {512: [TRUTH / "lanes16-s1-moby-512", TRUTH / "lanes16-s1-hamlet-512"],
                              1024: [TRUTH / "lanes16-s1-moby-1024", TRUTH / "lanes16-s1-hamlet-1024"]},
             "gemma3-270m": {512: [TRUTH / "lanes16-gemma-s1-moby-512", TRUTH / "lanes16-gemma-s1-hamlet-512"]}}
+# bench runs on held-out windows read with the estimate on sixteen lanes: how often a cache lands in its 80 % range
+HELD_OUT_RUNS = {"--max-kl caches, seed 1": "maxkl-*-s1-*.json", "--max-kl caches, seed 5": "maxkl-*-s5-*.json",
+                 "drift table, seed 1": "drift-*-s1-*.json"}
+TAGS = {"smol": "smollm2-135m", "gemma": "gemma3-270m"}
 # the calibrations the models read with before (four lanes of 16 tokens under 2,048 tokens): scale points, slope
 BEFORE = {"smollm2-135m": (((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), 0.822),
           "gemma3-270m": (((256, 0.2156), (512, 0.2257), (1024, 0.3794)), 0.641)}
@@ -168,3 +177,11 @@ if __name__ == "__main__":
     print(f"| pooled | {len(after_pooled)} | 4 x 16 as before (mean of 4 quarters) | "
           f"{shown([scores(quarter, *calibrated) for quarter in before_pooled])} |")
     print(f"| pooled | {len(after_pooled)} | 16 x 16 | {shown([scores(after_pooled, *calibrated)])} |")
+    print("\nheld-out bench runs in their 80 % range fitted here: | set | model | length | caches | below / in / above |")
+    print("|---|---|---|---|---|")
+    for label, pattern in HELD_OUT_RUNS.items():
+        for (tag, n), pairs in sorted(bench_logs(str(HERE / "heldout" / pattern)).items()):
+            ranges = tuple(fitted[TAGS[tag]][2].items())
+            below, inside, above = coverage(pairs, ranges, n, tag)
+            print(f"| {label} | {TAGS[tag]} | {n} | {len(pairs)} | {below / len(pairs):.0%} / {inside / len(pairs):.0%}"
+                  f" / {above / len(pairs):.0%} |")
