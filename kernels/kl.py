@@ -76,10 +76,11 @@ class SupportedReference:
         inside = logits[:, self.support].double().sub_(top.double() + total.log()[:, None])  # its log-probabilities
         scaled[:, self.support] = 0  # now the rest alone: its mass summed, not 1 less the support's (0 where none)
         left = scaled.sum(dim=-1)
-        self.rest = (left.double() / total).float()  # each row's mass outside the support
+        rest = left.double() / total  # each row's mass outside the support
+        self.rest = rest.float()
         # the support's tokens and the rest as one more (log -inf where the support holds it all): measured as
         # ReferenceDistributions measures every change
-        self.bucketed = ReferenceDistributions(torch.cat((inside, self.rest.double().log()[:, None]), dim=-1))
+        self.bucketed = ReferenceDistributions(torch.cat((inside, rest.log()[:, None]), dim=-1))
         # the rest's head rows weighted by probability
         self.rest_direction = (scaled.to(weight.dtype) @ weight).float() / left.clamp(min=1e-30)[:, None]  # (M, d)
 
