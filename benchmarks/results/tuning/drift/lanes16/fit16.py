@@ -19,7 +19,6 @@ table at 256 tokens) land in the 80 % range fitted here, from the estimate each 
 
     python benchmarks/results/tuning/drift/lanes16/fit16.py          (output: fit16.txt)
 """
-import json
 import math
 import statistics
 import sys
@@ -33,7 +32,7 @@ for path in (DRIFT / "power", DRIFT / "range", ROOT / "examples", ROOT / "benchm
 from drift_check import spearman  # noqa: E402
 from drift_lanes import pairs  # noqa: E402
 from fit import fit  # noqa: E402
-from range import bench_logs, coverage, factor  # noqa: E402
+from range import MODELS, bench_logs, coverage, factor  # noqa: E402
 
 STEPS = 16
 TRUTH = DRIFT / "sampled-truth"
@@ -63,7 +62,6 @@ HELD_OUT = {"smollm2-135m": {512: [TRUTH / "lanes16-s1-moby-512", TRUTH / "lanes
 # bench runs on held-out windows read with the estimate on sixteen lanes: how often a cache lands in its 80 % range
 HELD_OUT_RUNS = {"--max-kl caches, seed 1": "maxkl-*-s1-*.json", "--max-kl caches, seed 5": "maxkl-*-s5-*.json",
                  "drift table, seed 1": "drift-*-s1-*.json"}
-TAGS = {"smol": "smollm2-135m", "gemma": "gemma3-270m"}
 # the calibrations the models read with before (four lanes of 16 tokens under 2,048 tokens): scale points, slope
 BEFORE = {"smollm2-135m": (((256, 0.2595), (512, 0.3053), (1024, 0.4187), (4096, 0.5752)), 0.822),
           "gemma3-270m": (((256, 0.2156), (512, 0.2257), (1024, 0.3794)), 0.641)}
@@ -93,16 +91,6 @@ def sources(model: str) -> dict[int, list[tuple[float, float, int]]]:
     return dict(sorted(found.items()))
 
 
-def estimated(path: Path) -> list[tuple[float, float]]:
-    """(estimate, measured) of every cache of a bench result read with its drift estimated."""
-    found = []
-    for rows in json.loads(path.read_text())["fidelity"]["results"].values():
-        for row in rows.values():
-            window = row["per_window"]
-            found += [(e, m) for e, m in zip(window.get("estimated_kl", []), window["kl"]) if e and m > 0]
-    return found
-
-
 def calibrate(model: str):
     by_length = sources(model)
     slope, _ = fit({n: [(math.log(s), math.log(m)) for s, m, _ in xs] for n, xs in by_length.items()})
@@ -110,7 +98,8 @@ def calibrate(model: str):
     for n, xs in by_length.items():
         logs = [(math.log(s), math.log(m)) for s, m, _ in xs]
         scales[n] = math.exp(statistics.median(y - slope * x for x, y in logs))
-        more = [pair for path in RANGE_MORE.get(model, {}).get(n, []) if path.exists() for pair in estimated(path)]
+        more = [pair for path in RANGE_MORE.get(model, {}).get(n, []) if path.exists()
+                for pairs in bench_logs(str(path)).values() for pair in pairs]
         ranges[n] = factor([(scales[n] * s ** slope, m) for s, m, _ in xs] + more)
         sizes[n] = (len(xs), xs[0][2], len(more))
     return slope, scales, ranges, sizes
@@ -181,7 +170,7 @@ if __name__ == "__main__":
     print("|---|---|---|---|---|")
     for label, pattern in HELD_OUT_RUNS.items():
         for (tag, n), pairs in sorted(bench_logs(str(HERE / "heldout" / pattern)).items()):
-            ranges = tuple(fitted[TAGS[tag]][2].items())
+            ranges = tuple(fitted[MODELS[tag]][2].items())
             below, inside, above = coverage(pairs, ranges, n, tag)
-            print(f"| {label} | {TAGS[tag]} | {n} | {len(pairs)} | {below / len(pairs):.0%} / {inside / len(pairs):.0%}"
+            print(f"| {label} | {MODELS[tag]} | {n} | {len(pairs)} | {below / len(pairs):.0%} / {inside / len(pairs):.0%}"
                   f" / {above / len(pairs):.0%} |")
