@@ -27,12 +27,13 @@ class ReferenceDistributions:
     are normalised in float64 first) where subtracting two log-softmaxes needed float64 — 4x faster over 64 rows of
     a 262,144-token vocabulary on a CPU."""
 
-    def __init__(self, logits: torch.Tensor):
-        exact = logits.double().log_softmax(dim=-1)
+    def __init__(self, logits: torch.Tensor, log_probs: torch.Tensor | None = None):
+        """`log_probs`: the rows' float32 log-probabilities where the caller has normalised them already
+        (SupportedReference), else normalised here in float64."""
         self.logits = logits.float()
-        self.log_probs = exact.float()
-        self.top = exact.argmax(dim=-1, keepdim=True)  # each row's likeliest token
-        self.probs = exact.exp_().float()
+        self.log_probs = logits.double().log_softmax(dim=-1).float() if log_probs is None else log_probs
+        self.top = self.log_probs.argmax(dim=-1, keepdim=True)  # each row's likeliest token
+        self.probs = self.log_probs.exp()  # within an ulp or two of float64's: only the normalisation needs it
         # what the float32 log-probabilities' own sum misses of 1 (the change's sum is taken the same way): a
         # distribution measured against itself is 0 exactly
         self.log_total = _logsumexp_(self.log_probs.clone())
@@ -65,8 +66,8 @@ class SupportedReference:
     KL over the support instead of every token (Engine.measure_drift)."""
 
     def __init__(self, logits: torch.Tensor, keep: int, weight: torch.Tensor):
-        # float32 passes over the whole vocabulary: only the support's log-probabilities need float64, and (M, V)
-        # float64 copies were most of the cost (Gemma-3-270M: 1.2-2.2 s for a drift's 255 rows, now 0.7-0.9 s)
+        # float32 passes over the whole vocabulary, each normaliser summed in float64: (M, V) float64 copies, and
+        # (M, S) ones, were most of the cost (Gemma-3-270M: 1.2-2.2 s for a drift's 255 rows, then 0.7-0.9 s)
         logits = logits.float()
         likeliest = logits.topk(min(keep, logits.shape[-1]), dim=-1)
         self.support = likeliest.indices.flatten().unique()  # sorted ids
@@ -74,14 +75,16 @@ class SupportedReference:
         scaled = (logits - top).exp_()  # the unnormalised probabilities, each row's likeliest at 1
         total = scaled.sum(dim=-1).double()  # float32's pairwise sums: good to about 1e-7
         self.weight = weight[self.support]  # (S, d): the head's rows over the support
-        inside = logits[:, self.support].double().sub_(top.double() + total.log()[:, None])  # its log-probabilities
         scaled[:, self.support] = 0  # now the rest alone: its mass summed, not 1 less the support's (0 where none)
         left = scaled.sum(dim=-1)
         rest = left.double() / total  # each row's mass outside the support
         self.rest = rest.float()
-        # the support's tokens and the rest as one more (log -inf where the support holds it all): measured as
+        # the support's log-probabilities and the rest as one more token's (log -inf where the support holds it
+        # all), each within an ulp or two of the float64 value (z - top is exact to half an ulp), measured as
         # ReferenceDistributions measures every change
-        self.bucketed = ReferenceDistributions(torch.cat((inside, rest.log()[:, None]), dim=-1))
+        log_probs = torch.cat((logits[:, self.support].sub_(top), rest.log().float()[:, None]), dim=-1)
+        log_probs[:, :-1] -= total.log().float()[:, None]
+        self.bucketed = ReferenceDistributions(log_probs, log_probs)
         # the rest's head rows weighted by probability
         self.rest_direction = (scaled.to(weight.dtype) @ weight).float() / left.clamp(min=1e-30)[:, None]  # (M, d)
 
