@@ -310,17 +310,30 @@ def install_residual_hook(final_norm) -> None:
 
 def _divert_sampled_rows(module, args):
     ctx = _current.get()
-    if ctx is None or not ctx.sampled_rows:
-        return None
     hidden = args[0]
-    ctx.sampled_inputs = hidden[0, -ctx.sampled_rows - 1 : -1].detach()
-    return (hidden[:, -1:],) + args[1:]
+    if ctx is not None and ctx.sampled_rows:
+        ctx.sampled_inputs = hidden[0, -ctx.sampled_rows - 1 : -1].detach()
+        hidden = hidden[:, -1:]
+    if hidden.stride() == _plain_strides(hidden.shape):
+        return None if hidden is args[0] else (hidden,) + args[1:]
+    return (hidden.clone(memory_format=torch.contiguous_format),) + args[1:]
+
+
+def _plain_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def install_head_hook(output_head) -> None:
     """Let the model's output head compute only the last of the logits rows asked for when the others only feed
     sampling (ForwardContext.sampled_rows), and keep those rows' inputs; installed once per model. Taken at the
-    head's input, after whatever the family puts between the final norm and it."""
+    head's input, after whatever the family puts between the final norm and it. The rows reach the head laid out
+    plainly: the last rows of a longer forward keep its batch stride, and on a CPU a bfloat16 matmul of such a
+    single row copies the whole transposed head weight first (1.6 s for Gemma-3-270M's 262,144 × 640 on the probe
+    copy, against 0.04 s for the same row laid out plainly)."""
     _pre_hook_once(output_head, _divert_sampled_rows)
 
 

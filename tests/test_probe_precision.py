@@ -117,6 +117,27 @@ def test_the_drift_through_the_copys_head_is_the_models_kl_to_its_rounding(monke
     assert len(drafted.supported.support) == 300 if support is None else len(drafted.supported.support) < 300
 
 
+def test_the_output_head_gets_its_rows_laid_out_plainly_on_the_model_and_its_copy():
+    """The last row of a longer forward keeps that forward's batch stride; a CPU's bfloat16 matmul of such a row copies
+    the whole transposed head weight first (1.6 s for Gemma-3-270M's), so the head hook hands it a plain copy: the
+    same logits, bit for bit, at either precision."""
+    from klevict_cli import attention
+
+    model = tiny_llama(seed=1, tie_word_embeddings=True)
+    attention.install_head_hook(model.get_output_embeddings())
+    copy = probe_copy(model, torch.bfloat16)  # carries the hook
+    for m in (model, copy):
+        head, seen = m.get_output_embeddings(), []
+        handle = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].stride()))
+        hidden = torch.randn(1, 8, head.in_features).to(head.weight.dtype)
+        row = hidden[:, -1:]
+        assert row.stride() == (8 * head.in_features, head.in_features, 1)
+        with torch.inference_mode():
+            got = head(row)
+        handle.remove()
+        assert seen == [(head.in_features, head.in_features, 1)]
+        assert torch.equal(got, torch.nn.functional.linear(hidden[0, -1:], head.weight)[None])
+
 def test_the_read_itself_runs_on_the_model():
     """A read's own logits are the model's whatever runs its probes (a read of 120 tokens evicts once, at its end);
     nothing evicted, no copy is made."""

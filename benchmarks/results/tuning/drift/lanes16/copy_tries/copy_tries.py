@@ -5,7 +5,9 @@ the stream evicted to each of 3-70 % of the read, measured three ways over the s
   B  the probe copy's forward against the probe copy's own reading of the lanes (0 where nothing is evicted);
   C  the probe copy's forward against the model's reading, less the probe copy's reading against the model's (the
      copy's own offset from the model, measured once a read, as a control variate).
-Each forward timed (one thread; two such runs shared the two cores).
+Each forward timed (one thread; two such runs shared the two cores). The recorded copy timings predate the head
+hook's plain layout of the row it computes (attention.install_head_hook): 1.6 s of Gemma's was a copy of the head
+weight that the hook now avoids (docs/research-log.md, "a try on the probe copy").
 
     python copy_tries.py record smollm2-135m 512 copy-tries-smol-512.json     # about 10 minutes
     python copy_tries.py record gemma3-270m 512 copy-tries-gemma-512.json
