@@ -102,8 +102,9 @@ def loaded(paths: list[Path]) -> dict[Path, dict]:
 
 
 def name(result: dict) -> str:
+    """A result's label: its model, length, text and seed (results of one text at two seeds are two results)."""
     settings = result["settings"]
-    return f"{settings['model']} {settings['context']} {Path(settings['document']['name']).stem}"
+    return f"{settings['model']} {settings['context']} {Path(settings['document']['name']).stem} seed {settings['seed']}"
 
 
 def tolerance_table(asked: dict[str, dict], truth: str = "kl") -> str:
