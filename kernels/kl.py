@@ -84,7 +84,7 @@ class SupportedReference:
         # ReferenceDistributions measures every change
         log_probs = torch.cat((logits[:, self.support].sub_(top), rest.log().float()[:, None]), dim=-1)
         log_probs[:, :-1] -= total.log().float()[:, None]
-        self.bucketed = ReferenceDistributions(log_probs, log_probs)
+        self.bucketed = ReferenceDistributions(log_probs, log_probs=log_probs)
         # the rest's head rows weighted by probability
         self.rest_direction = (scaled.to(weight.dtype) @ weight).float() / left.clamp(min=1e-30)[:, None]  # (M, d)
 

@@ -138,6 +138,7 @@ def test_the_output_head_gets_its_rows_laid_out_plainly_on_the_model_and_its_cop
         assert seen == [(head.in_features, head.in_features, 1)]
         assert torch.equal(got, torch.nn.functional.linear(hidden[0, -1:], head.weight)[None])
 
+
 def test_the_read_itself_runs_on_the_model():
     """A read's own logits are the model's whatever runs its probes (a read of 120 tokens evicts once, at its end);
     nothing evicted, no copy is made."""
