@@ -25,6 +25,8 @@ def test_the_wheel_installs_no_top_level_kernels_package(tmp_path):
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"klevict_cli", "klevict_kernels"}
     assert "klevict_kernels/kl.py" in names and "klevict_cli/policies/kl.py" in names
+    shipped = {path.name for path in (ROOT / "klevict_cli" / "model_calibrations").glob("*.json")}
+    assert shipped and {f"klevict_cli/model_calibrations/{name}" for name in shipped} <= set(names)
 
 
 def test_a_checkout_never_shadows_hugging_faces_kernels():
