@@ -27,6 +27,9 @@ PRIOR_RATIO = 1.0
 # benchmarks/results/tuning/maxkl-search/replay_variants.py
 BETA_THROUGH_ONE = 1.0
 BETA_BOUNDS = (0.25, 4.0)
+# The guide is given up for bisection after this many guesses in a row on one side of the tolerance (a drift that is
+# not monotone in the budget can hold the power law near one end); 3 or 2, replayed, took more measurements
+GIVE_UP = 4
 
 
 def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], float] | None, least: int, most: int,
@@ -47,7 +50,7 @@ def smallest_within(drift: Callable[[int], float], predicted: Callable[[int], fl
     lo, hi = least, most
     sides: list[bool] = []  # each measurement's: within the tolerance or not
     while hi - lo > max(1, hi // PRECISION):
-        misled = len(sides) >= 4 and len(set(sides[-4:])) == 1  # four guesses on one side
+        misled = len(sides) >= GIVE_UP and len(set(sides[-GIVE_UP:])) == 1  # GIVE_UP guesses on one side
         if predicted is None or misled:
             guess = (lo + hi) // 2
         else:

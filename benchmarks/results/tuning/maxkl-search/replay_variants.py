@@ -1,6 +1,7 @@
 """Replays of --max-kl's budget search with variants of its guide (klevict_cli/tolerance.py): the exponent used
 through one measurement (`BETA_THROUGH_ONE`), a rule that keeps each guess at least 10 % above the bracket's lower
-end, the first guess's prior ratio (`PRIOR_RATIO`). The search compares sampled KLs against the tolerance carried
+end, the first guess's prior ratio (`PRIOR_RATIO`), how many same-side guesses it takes to give the guide up for
+bisection (`GIVE_UP`), and a guard that keeps each guess a share of the bracket away from both its ends. The search compares sampled KLs against the tolerance carried
 back through the model's drift calibration (Engine._sampled_tolerance); these curves hold the drift as estimated when
 they were recorded, a single factor per model (SmolLM2's 0.5, Gemma's 0.73 at 512 tokens), divided out here.
 python replay_variants.py SMOL_CURVES[,..] GEMMA_CURVES[,..]"""
@@ -11,7 +12,8 @@ sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "examples"))
 import klevict_cli.tolerance as T
 from maxkl_search import drift_calibration  # the calibration a model's reads use
 TOLS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
-shipped = {"BETA_THROUGH_ONE": T.BETA_THROUGH_ONE, "PRIOR_RATIO": T.PRIOR_RATIO, "_guess": T._guess}
+shipped = {"BETA_THROUGH_ONE": T.BETA_THROUGH_ONE, "PRIOR_RATIO": T.PRIOR_RATIO, "GIVE_UP": T.GIVE_UP,
+           "_guess": T._guess}
 RECORDED_WITH = {"smol": 0.5, "gemma": 0.73}
 CALIBRATION = {"smol": drift_calibration(None), "gemma": drift_calibration("gemma3-270m")}
 
@@ -22,9 +24,18 @@ def opening(measured, predicted, lo, hi, tolerance):
     return min(max(guess, lo + max(1, lo // (T.PRECISION - 1))), hi - 1)
 
 
-def use(beta_one=shipped["BETA_THROUGH_ONE"], opening_rule=False, prior=shipped["PRIOR_RATIO"]):
-    T.BETA_THROUGH_ONE, T.PRIOR_RATIO = beta_one, prior
-    T._guess = opening if opening_rule else shipped["_guess"]
+def guarded(share):
+    """The shipped guess, kept `share` of the bracket away from both its ends."""
+    def guess(measured, predicted, lo, hi, tolerance):
+        margin = max(1, int((hi - lo) * share))
+        return min(max(shipped["_guess"](measured, predicted, lo, hi, tolerance), lo + margin), hi - margin)
+    return guess
+
+
+def use(beta_one=shipped["BETA_THROUGH_ONE"], opening_rule=False, prior=shipped["PRIOR_RATIO"],
+        give_up=shipped["GIVE_UP"], guard=0.0):
+    T.BETA_THROUGH_ONE, T.PRIOR_RATIO, T.GIVE_UP = beta_one, prior, give_up
+    T._guess = opening if opening_rule else guarded(guard) if guard else shipped["_guess"]
 
 
 def run(files, model):
@@ -48,6 +59,10 @@ for b1 in (0.5, 0.7):
     variants[f"beta_one {b1} + opening"] = {"beta_one": b1, "opening_rule": True}
 for pr in (0.4, 0.6, 0.8, 1.3):
     variants[f"prior {pr}"] = {"prior": pr}
+for k in (3, 2):
+    variants[f"give up after {k}"] = {"give_up": k}
+for share in (0.1, 0.2):
+    variants[f"guard {share}"] = {"guard": share}
 groups = {"smol": sys.argv[1].split(","), "gemma": sys.argv[2].split(",")} if len(sys.argv) > 2 else {"smol": sys.argv[1].split(",")}
 for name, kw in variants.items():
     use(**kw)
