@@ -280,9 +280,10 @@ class Worker:
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
             return {**record, "status": "failed", "error": type(exc).__name__, "message": str(exc)}, None
         notes = {"notes": list(document.notes)} if document.notes else {}  # e.g. how an encoding was guessed
-        drift = {"estimated_kl": result.stream.drift} if result.stream.drift is not None else {}
-        return {**record, "document_tokens": result.document_tokens, "kept_entries": kept, "bytes": len(blob),
-                "seconds": round(time.perf_counter() - start, 3), "status": "ok", **drift, **notes}, blob
+        # the read as one document's `compress --json` reports it (the same keys, for scripts and the manifest)
+        return {**record, "document_tokens": result.document_tokens, "bytes": len(blob),
+                "seconds": round(time.perf_counter() - start, 3), "status": "ok",
+                **self.session.stored_summary(result, cache), **notes}, blob
 
 
 class LocalEngine:

@@ -230,11 +230,33 @@ def _show_usage_error(self, file=None) -> None:
     not_parsed = _not_parsed(self, ctx)
     if not_parsed is not None:
         message, hint = not_parsed, ""
+    elsewhere = _taken_elsewhere(self, ctx)
+    if elsewhere is not None:
+        message = elsewhere
     missing = getattr(getattr(self, "param", None), "name", "") if not_parsed is None else ""
     if ctx is not None and ctx.info_name == "ask" and missing == "cache_files":
         # given one argument, click takes it for QUESTION and says CACHE is missing, though the question is
         message = "ask needs a cache and a question: klevict ask CACHE QUESTION (- reads questions from stdin)"
     say(f"error: {message}{hint}")
+
+
+def _taken_elsewhere(error, ctx) -> str | None:
+    """An unknown option that other commands take (`ask --budget`) is said to be theirs; click would offer the
+    closest spelling among this command's options instead ("Possible options: --quiet")."""
+    if not isinstance(error, click.exceptions.NoSuchOption) or ctx is None or ctx.parent is None:
+        return None
+    group = ctx.parent.command
+    takers = [name for name, command in getattr(group, "commands", {}).items()
+              if name != ctx.info_name and any(error.option_name in (*param.opts, *param.secondary_opts)
+                                               for param in command.params)]
+    if not takers:
+        return None
+    return (f"{ctx.info_name} has no {error.option_name}: it is an option of {_listed(takers)}"
+            + (" (the cache's size and method were chosen when it was compressed)" if ctx.info_name == "ask" else ""))
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 click.exceptions.UsageError.show = _show_usage_error
@@ -534,28 +556,6 @@ def put(piece: str) -> None:
     sys.stdout.flush()
 
 
-def read_summary(result) -> dict:
-    cache = result.stream.cache
-    kept = sum(sum(c) for c in cache.kept_counts())
-    return {
-        "document": {"name": result.document.name, "sha256": result.document.sha256,
-                     "tokens": result.document_tokens},
-        "prefix_tokens": result.prefix_tokens,  # the chat frame's, before the document: the budget counts them too
-        "method": result.settings.method,
-        "budget": result.budget,  # as asked; null where none was (--max-kl, --max-bytes) or nothing is evicted
-        "max_kl": result.settings.max_kl,
-        "budget_tokens": result.plan.budget,  # the budget (or cap) in entries per KV head
-        "kept_budget": result.kept_budget,  # what the last eviction kept per KV head: --max-kl / --max-bytes choose it
-        "position_mode": result.plan.mode,
-        "kept_entries": kept,
-        "cache_bytes": cache.nbytes(),
-        # the read's last eviction, measured on its drafts (mean KL per token, nats; None where nothing drafted)
-        "estimated_kl": result.stream.drift,
-        "read_seconds": round(result.seconds, 3),
-        "tokens_per_second": round((result.document_tokens + result.prefix_tokens) / max(result.seconds, 1e-9), 1),
-    }
-
-
 def emit_json(payload: dict) -> None:
     sys.stdout.write(json_text(payload) + "\n")
     sys.stdout.flush()
@@ -596,7 +596,7 @@ def summarize(
     answer = generate(opts, session, result.stream, prompt_text, result.plan.mode,
                       method=result.settings.method, budget=result.plan.budget)
     if opts["json"]:
-        emit_json({"summary": answer["text"], "model": session.lm.model_id, **read_summary(result),
+        emit_json({"summary": answer["text"], "model": session.lm.model_id, **result.summary(),
                    "new_tokens": answer["new_tokens"], "generate_seconds": round(answer["seconds"], 3)})
 
 
@@ -663,14 +663,14 @@ def compress(
         check_destination(output, "-o", inputs=[file], folder_hint=f": give a .kvc file name, or {output}/ to write"
                           " one .kvc per document in it", replaces=("a .kvc cache", is_kvc_file), takes_stdout=True)
     session, result = read_document(opts, file, reconstruct_default=True)
-    from klevict_cli.kvc import encode_kvc, kv_bytes, save_kvc
+    from klevict_cli.kvc import encode_kvc, save_kvc
 
     cache = session.cache_file(result, cache_dtype=opts["cache_dtype"])
     size = write_stdout(encode_kvc(cache, STDOUT_NAME)) if to_stdout else save_kvc(output, cache)
     where = STDOUT_NAME if to_stdout else str(output)
-    summary = {"output": where, "file_bytes": size, "model": session.lm.model_id, **read_summary(result),
-               "cache_bytes": kv_bytes(cache),  # as stored: a quantized cache's codes, not the read's floats
-               "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
+    # `source` and `status` as a batch's lines carry them, so that a script need not know which it got
+    summary = {"source": result.document.name, "status": "ok", "output": where, "file_bytes": size,
+               **session.stored_summary(result, cache)}
     stored = f" as {cache.metadata['cache_dtype']}" if opts["max_bytes"] is not None else ""
     line = (f"wrote {where}: {counted(summary['document']['tokens'], 'document token', 'document tokens')} +"
             f" {result.prefix_tokens} of the chat frame -> {counted(result.kept_budget, 'entry', 'entries')} per"
@@ -712,7 +712,7 @@ def compress_batch(opts: dict, inputs: list[str], shard: str | None, engine: str
         def on_record(record: dict) -> None:
             bar.advance(docs)
             bar.update(reading, visible=False)
-            report_record(opts, record)
+            report_record(opts, record, folder)
             if record["status"] != "failed":
                 kept.append(record)
 
@@ -757,11 +757,15 @@ def drift_text(drift: dict | None) -> str:
     return f"; estimated drift {drift_words(drift)}{partial}"
 
 
-def report_record(opts: dict, record: dict) -> None:
+def report_record(opts: dict, record: dict, folder: Path) -> None:
+    """A batch document's line: --json, its manifest record with `output` and `file_bytes` as one document's
+    `compress --json` names them (a document read now carries that summary's every field)."""
     for line in record.get("notes", ()):
         note(opts, f"note: {line}")
     if opts["json"]:
-        emit_json(record)
+        written = {"output": str(folder / record["kvc"]), "file_bytes": record["bytes"]} \
+            if record["status"] != "failed" else {}
+        emit_json({**record, **written})
     elif record["status"] == "failed":
         echo(f"failed {record['source']}: {(record['message'].splitlines() or [record['error']])[0]}")
     elif record["status"] == "skipped":
@@ -955,7 +959,9 @@ def _questions(opts: dict, question: str) -> list[str]:
     if sys.stdin is None or sys.stdin.closed:
         raise UsageError("standard input is closed; pass the question as an argument")
     typed = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-    lines = [line.strip() for line in typed_text(opts, "standard input", typed).splitlines()]
+    # one question a line: split at line ends only (str.splitlines also splits at U+2028, form feeds and other
+    # separators a pasted question may hold)
+    lines = [line.strip() for line in re.split(r"\r\n|\r|\n", typed_text(opts, "standard input", typed))]
     lines = [line for line in lines if line]
     if not lines:
         raise UsageError("no questions on standard input (one per line)")

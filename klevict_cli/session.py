@@ -25,7 +25,7 @@ from klevict_cli.cache import KVCache
 from klevict_cli.documents import Document
 from klevict_cli.engine import WORKING_FACTOR, Engine, Plan, Stream, drift_steps, measures_drift, plan_positions
 from klevict_cli.errors import CacheFileError, ResourceError
-from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, load_kvc, save_kvc
+from klevict_cli.kvc import QUANTIZED_BITS, KvcFile, LayerSpec, PackedLayer, kv_bytes, load_kvc, save_kvc
 from klevict_cli.models import LoadedModel, probe_copy
 from klevict_cli.options import Budget, ByteLimit, format_size, resolve_probe_dtype
 from klevict_cli.policies import POLICIES, make_policy
@@ -117,6 +117,26 @@ class ReadResult:
         """Entries per KV head the cache was evicted to: the budget, or what `max_kl` / `max_bytes` chose within it;
         None where everything read was kept."""
         return self.stream.kept_budget if self.stream.kept_budget is not None else self.plan.budget
+
+    def summary(self) -> dict:
+        """What the read did, as `compress` and `summarize --json` report it (a batch's lines and manifest too)."""
+        kept = sum(sum(c) for c in self.stream.cache.kept_counts())
+        return {
+            "document": {"name": self.document.name, "sha256": self.document.sha256, "tokens": self.document_tokens},
+            "prefix_tokens": self.prefix_tokens,  # the chat frame's, before the document: the budget counts them too
+            "method": self.settings.method,
+            "budget": self.budget,  # as asked; null where none was (--max-kl, --max-bytes) or nothing is evicted
+            "max_kl": self.settings.max_kl,
+            "budget_tokens": self.plan.budget,  # the budget (or cap) in entries per KV head
+            "kept_budget": self.kept_budget,  # what the last eviction kept per KV head: --max-kl / --max-bytes choose
+            "position_mode": self.plan.mode,
+            "kept_entries": kept,
+            "cache_bytes": self.stream.cache.nbytes(),
+            # the read's last eviction, measured on its drafts (mean KL per token, nats; None where nothing drafted)
+            "estimated_kl": self.stream.drift,
+            "read_seconds": round(self.seconds, 3),
+            "tokens_per_second": round((self.document_tokens + self.prefix_tokens) / max(self.seconds, 1e-9), 1),
+        }
 
 
 def working_entries(working: float | Budget | None, budget: int | None) -> int | None:
@@ -244,6 +264,8 @@ class Session:
                               settings.position_mode)
         if storage is not None and plan.budget is not None:  # what the positions allow (compact mode) caps them all
             storage = {dtype: min(entries, plan.budget) for dtype, entries in storage.items()}
+        # a count the user gave (before --max-memory sets one); a multiple such as 1x means "evict after every chunk"
+        asked_working = settings.working.tokens if isinstance(settings.working, Budget) else None
         if settings.max_memory is not None:
             need = self.estimate_peak_bytes(plan.budget or len(ids), settings.chunk_size, settings.probe_dtype)
             if need > settings.max_memory:
@@ -259,6 +281,10 @@ class Session:
         if settings.measure_drift is None:
             settings = replace(settings, measure_drift=drift_steps(len(ids), asked=False) > 0)
         engine = self.engine(settings.method, plan.budget, settings, plan.mode, plan.head_cap, storage)
+        notes = list(plan.notes)
+        if asked_working is not None and engine.budget is not None and engine.working > asked_working:
+            notes.append(f"--working-limit {asked_working} is under the budget plus one chunk: the cache grows to"
+                         f" {engine.working} entries per head ({engine.budget} + {settings.chunk_size}) while reading")
         stream = engine.new_stream()
         per_token = self.bytes_per_token()
         done = peak = held = 0
@@ -277,7 +303,7 @@ class Session:
         if engine.chooses_storage:  # the budget is the one the chosen storage got
             plan = replace(plan, budget=engine.storage[stream.stored_as])
         return ReadResult(stream, plan, len(doc_ids), len(prefix), time.perf_counter() - start, settings, document,
-                          list(plan.notes), engine, logits, peak)
+                          notes, engine, logits, peak)
 
     def storage_budgets(self, limit: ByteLimit, n_tokens: int, cache_dtype: str | None, cap: int | None
                         ) -> dict[str, int]:
@@ -462,6 +488,12 @@ class Session:
         }
         tokens = torch.tensor(stream.tokens, dtype=torch.int32)
         return KvcFile(layers=layers, tokens=tokens, metadata=meta)
+
+    def stored_summary(self, result: ReadResult, cache: KvcFile) -> dict:
+        """`result.summary()` for the cache as stored: its model, dtype and bytes (a quantized cache's codes, not the
+        read's floats). One document's `compress --json` and every line of a batch's carry it."""
+        return {"model": self.lm.model_id, **result.summary(), "cache_bytes": kv_bytes(cache),
+                "cache_dtype": cache.metadata["cache_dtype"], "max_bytes": cache.metadata.get("max_bytes")}
 
     def layer_windows(self) -> dict[str, str]:
         """`layer_windows` where some layers keep a sliding window whatever the budget (Gemma 3: 15 of 18), so that

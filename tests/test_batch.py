@@ -164,7 +164,7 @@ def test_a_batch_records_each_caches_drift_and_redoes_it_when_asked_to_measure(c
     args = ["compress", corpus / "doc0.txt", corpus / "doc1.txt", "-o", out, "--model", model, *FAST_BATCH]
     plain = invoke(*args)
     assert_ok(plain)
-    assert "drift" not in plain.stdout and all("estimated_kl" not in r for r in manifest(out))
+    assert "drift" not in plain.stdout and all(r["estimated_kl"] is None for r in manifest(out))
     measured = invoke(*args, "--estimate")
     assert_ok(measured)
     assert measured.stdout.count("; estimated drift ") == 2
@@ -244,12 +244,29 @@ def test_shards_split_the_corpus_whatever_the_argument_order(corpus, model, tmp_
 
 
 def test_batch_output_is_the_same_as_one_file_at_a_time(corpus, model, tmp_path):
+    """The same cache, and the same --json fields: a batch's line carries every field of one document's (its
+    manifest's besides), so that a script reads either (they differed: `output`, `document`, `file_bytes` against
+    `kvc`, `source`, `document_tokens`, `bytes`)."""
     out = tmp_path / "out"
-    assert_ok(invoke("compress", corpus / "doc2.txt", corpus / "doc0.txt", "-o", out, "--model", model,
-                     *FAST_BATCH))
-    assert_ok(invoke("compress", corpus / "doc0.txt", "-o", tmp_path / "one.kvc", "--model", model, *FAST_BATCH))
+    lines = invoke("compress", corpus / "doc2.txt", corpus / "doc0.txt", "-o", out, "--model", model, *FAST_BATCH,
+                   "--json")
+    assert_ok(lines)
+    single = invoke("compress", corpus / "doc0.txt", "-o", tmp_path / "one.kvc", "--model", model, *FAST_BATCH,
+                    "--json")
+    assert_ok(single)
     one, many = tensors_of(tmp_path / "one.kvc"), tensors_of(out / "doc0.kvc")
     assert one.keys() == many.keys() and all((one[k] == many[k]).all() for k in one)
+    alone = json.loads(single.stdout)
+    record = [json.loads(line) for line in lines.stdout.splitlines()][1]
+    assert set(alone) <= set(record), set(alone) - set(record)
+    assert alone["output"] == str(tmp_path / "one.kvc") and record["output"] == str(out / "doc0.kvc")
+    assert record["file_bytes"] == record["bytes"] == (out / "doc0.kvc").stat().st_size
+    assert (alone["source"], alone["status"]) == (record["source"], record["status"]) == (str(corpus / "doc0.txt"),
+                                                                                           "ok")
+    for key in ("document", "kept_entries", "kept_budget", "budget", "method", "cache_dtype", "estimated_kl",
+                "cache_bytes", "model"):
+        assert alone[key] == record[key], key
+    assert manifest(out)[1]["document"] == alone["document"]  # the manifest keeps them too
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

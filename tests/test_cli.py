@@ -665,6 +665,11 @@ def test_ask_questions_from_stdin_one_json_line_each(compressed, model):
     one = invoke("ask", compressed[0], "-", "--model", model, *GEN, input="Only question?\n")
     assert_ok(one)
     assert "Q: " not in one.stdout  # one question: the answer alone, as with the question as an argument
+    # a line ends at \n, \r\n or \r only: a line separator or form feed pasted into a question stays in it
+    pasted = ["One\u2028question?", "Another\x0cone?"]
+    rows = json_lines(invoke("ask", compressed[0], "-", "--model", model, *GEN, "--json",
+                             input="\r\n".join(pasted) + "\r"))
+    assert [row["question"] for row in rows] == pasted
 
 
 @pytest.mark.parametrize("command", ["ask", "summarize"])
@@ -1421,6 +1426,19 @@ def test_parse_errors_are_one_line(doc, model, args):
     assert_error(invoke("summarize", doc, "--model", model, *args), 2)
 
 
+def test_an_option_of_another_command_says_whose_it_is(compressed, doc, model):
+    """`ask --budget` was told "Possible options: --quiet" (click's closest spelling): an option other commands take
+    is named as theirs; one no command takes keeps click's words."""
+    line = assert_error(invoke("ask", compressed[0], "Who?", "--budget", "10%"), 2)
+    assert "ask has no --budget: it is an option of" in line and "compress" in line and "summarize" in line, line
+    assert "Possible options" not in line and "compressed" in line, line
+    line = assert_error(invoke("inspect", compressed[0], "--max-kl", "0.1"), 2, "inspect has no --max-kl")
+    assert "bench" in line, line
+    assert_error(invoke("ask", compressed[0], "Who?", "--no-reconstruct"), 2, "ask has no --no-reconstruct",
+                 "compress")
+    assert "has no" not in assert_error(invoke("summarize", doc, "--model", model, "--bogus"), 2)
+
+
 def test_full_cache_in_compact_mode_message_is_truthful(doc, model):
     result = invoke("summarize", doc, "--model", model, "--method", "none", "--position-mode", "compact", *FAST, *GEN)
     line = assert_error(result, 6)
@@ -1519,6 +1537,18 @@ def test_compress_judges_by_reconstruction_unless_told_not_to(doc, model, compre
                      "--working-limit", "2x"))
     meta = json_out(invoke("inspect", plain, "--json"))["metadata"]
     assert meta["reconstruct"] == "false" and meta["working_limit"] == "2.0"
+
+
+def test_a_working_limit_count_under_the_budget_plus_a_chunk_says_what_the_read_holds(doc, model, tmp_path):
+    """The cache holds the budget plus one chunk while it reads whatever the limit: a smaller count was raised to
+    that without a word. A multiple (1x: evict after every chunk) means that raise, and is not noted."""
+    args = ["compress", doc, "-o", tmp_path / "c.kvc", "--model", model, "--budget", "16", *FAST, "--json"]
+    low = invoke(*args, "--working-limit", "20")
+    assert_ok(low)
+    assert ("note: --working-limit 20 is under the budget plus one chunk: the cache grows to 48 entries per head"
+            " (16 + 32) while reading") in " ".join(low.stderr.split()), low.stderr
+    for enough in ("48", "1x"):
+        assert "--working-limit" not in invoke(*args, "--working-limit", enough).stderr
 
 
 @pytest.mark.parametrize("bad", ["0.5x", "nanx", "abc", "10%", "-3"])
