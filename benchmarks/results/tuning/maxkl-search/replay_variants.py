@@ -53,21 +53,26 @@ def run(files, model):
     return statistics.mean(counts), max(counts), statistics.geometric_mean(sizes)
 
 
-variants = {"current": {}, "opening": {"opening_rule": True}}
-for b1 in (0.5, 0.7):
-    variants[f"beta_one {b1}"] = {"beta_one": b1}
-    variants[f"beta_one {b1} + opening"] = {"beta_one": b1, "opening_rule": True}
-for pr in (0.4, 0.6, 0.8, 1.3):
-    variants[f"prior {pr}"] = {"prior": pr}
-for k in (3, 2):
-    variants[f"give up after {k}"] = {"give_up": k}
-for share in (0.1, 0.2):
-    variants[f"guard {share}"] = {"guard": share}
-groups = {"smol": sys.argv[1].split(","), "gemma": sys.argv[2].split(",")} if len(sys.argv) > 2 else {"smol": sys.argv[1].split(",")}
-for name, kw in variants.items():
-    use(**kw)
-    out = []
-    for g, files in groups.items():
-        m, mx, sz = run(files, g)
-        out.append(f"{g}: {m:.2f} (max {mx}) size {sz:.3f}")
-    print(f"{name:28s}", " | ".join(out))
+def main():
+    variants = {"current": {}, "opening": {"opening_rule": True}}
+    for b1 in (0.5, 0.7):
+        variants[f"beta_one {b1}"] = {"beta_one": b1}
+        variants[f"beta_one {b1} + opening"] = {"beta_one": b1, "opening_rule": True}
+    for pr in (0.4, 0.6, 0.8, 1.3):
+        variants[f"prior {pr}"] = {"prior": pr}
+    for k in (3, 2):
+        variants[f"give up after {k}"] = {"give_up": k}
+    for share in (0.1, 0.2):
+        variants[f"guard {share}"] = {"guard": share}
+    groups = {"smol": sys.argv[1].split(","), "gemma": sys.argv[2].split(",")} if len(sys.argv) > 2 else {"smol": sys.argv[1].split(",")}
+    for name, kw in variants.items():
+        use(**kw)
+        out = []
+        for g, files in groups.items():
+            m, mx, sz = run(files, g)
+            out.append(f"{g}: {m:.2f} (max {mx}) size {sz:.3f}")
+        print(f"{name:28s}", " | ".join(out))
+
+
+if __name__ == "__main__":
+    main()
