@@ -273,17 +273,17 @@ class Worker:
             document = document_from_bytes(path, data)
             result = self.session.read(document, self.settings, progress)
             cache = self.session.cache_file(result, cache_dtype=self.opts.get("cache_dtype"))
-            kept = sum(sum(c) for c in result.stream.cache.kept_counts())
+            # the read as one document's `compress --json` reports it (the same keys, for scripts and the manifest)
+            summary = self.session.stored_summary(result, cache)
             cache.metadata.update(source_file_sha256=record["source_file_sha256"], batch_settings=self._key,
-                                  kept_entries=str(kept), **({"batch_quick": self._quick} if self._quick else {}))
+                                  kept_entries=str(summary["kept_entries"]),
+                                  **({"batch_quick": self._quick} if self._quick else {}))
             blob = encode_kvc(cache, kvc)
         except Exception as exc:  # a bad document must not stop the batch; the record says what went wrong
             return {**record, "status": "failed", "error": type(exc).__name__, "message": str(exc)}, None
         notes = {"notes": list(document.notes)} if document.notes else {}  # e.g. how an encoding was guessed
-        # the read as one document's `compress --json` reports it (the same keys, for scripts and the manifest)
         return {**record, "document_tokens": result.document_tokens, "bytes": len(blob),
-                "seconds": round(time.perf_counter() - start, 3), "status": "ok",
-                **self.session.stored_summary(result, cache), **notes}, blob
+                "seconds": round(time.perf_counter() - start, 3), "status": "ok", **summary, **notes}, blob
 
 
 class LocalEngine:
